@@ -1,0 +1,1 @@
+"""Private implementation; the public face is `workbench/__init__.py`."""

@@ -1,0 +1,43 @@
+"""Backends by name: `wb.replicator("mirrored", num_replicas=4)`."""
+
+from __future__ import annotations
+
+from workbench._src.errors import ConfigurationError
+
+# name -> (module, class, what it is); process backends are added by their own issue.
+BACKENDS = {
+    "single": ("workbench._src.backends.single", "NonReplicator", "one device"),
+    "mirrored": ("workbench._src.backends.mirrored", "MultiGpuReplicator", "synchronous, all local GPUs or virtual CPUs"),
+    "tpu": ("workbench._src.backends.tpu", "TpuReplicator", "synchronous on TPU cores"),
+}
+
+
+def backend_class(name: str):
+    import importlib
+
+    key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
+    if key not in BACKENDS:
+        valid = "\n".join(f"  {n!r:14} {d}" for n, (_, _, d) in BACKENDS.items())
+        raise ConfigurationError(
+            f"Unknown replicator backend {name!r}. Valid names:\n{valid}\n"
+            "Example: wb.replicator('mirrored', num_replicas=4)."
+        )
+    module, cls, _ = BACKENDS[key]
+    return getattr(importlib.import_module(module), cls)
+
+
+def replicator(name: str = "mirrored", num_replicas: int | None = None, **kwargs):
+    """Makes a replicator by backend name.
+
+    Args:
+      name: one of "single", "mirrored", "tpu" (see BACKENDS).
+      num_replicas: replicas to run (mirrored: devices / num_gpus_per_replica); None for all.
+      **kwargs: passed to the backend class (e.g. num_gpus_per_replica=2, input_replication).
+
+    Example:
+      >>> import workbench as wb
+      >>> wb.replicator("mirrored", num_replicas=2).num_replicas
+      2
+    """
+    cls = backend_class(name)
+    return cls.from_replicas(num_replicas, **kwargs)

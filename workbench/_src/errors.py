@@ -1,0 +1,37 @@
+"""Errors the workbench raises. Each message says what was wrong, what was received, and the fix."""
+
+
+class WorkbenchError(Exception):
+    """Base class of every error the workbench raises on purpose."""
+
+
+class ConfigurationError(WorkbenchError, ValueError):
+    """A replicator or run was asked for something that cannot work as given."""
+
+
+class DeviceError(WorkbenchError, RuntimeError):
+    """The devices a replicator needs are not there (or were fixed too early)."""
+
+
+class InputError(WorkbenchError, ValueError):
+    """input_fn returned something the replicator cannot feed to step_fn."""
+
+
+class StepFunctionError(WorkbenchError, TypeError):
+    """step_fn cannot be called with the input, or returned something that is not tensors."""
+
+
+class ReplicaContextError(WorkbenchError, RuntimeError):
+    """A primitive that needs a replica (inside step_fn) was called somewhere else."""
+
+
+class TpuUnavailableError(DeviceError):
+    """No TPU can be reached from this process."""
+
+
+class NonFiniteError(WorkbenchError, FloatingPointError):
+    """A metric became NaN or Inf during training. `run` holds the partial run."""
+
+    def __init__(self, message: str, run=None):
+        super().__init__(message)
+        self.run = run

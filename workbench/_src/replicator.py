@@ -1,0 +1,192 @@
+"""The Replicator: one TF-Replicator-style face over a tf.distribute strategy.
+
+A backend only says which strategy to build and which devices each replica owns; everything a
+user touches (context, wrap_optimizer, primitives, run, train) is here, so every backend behaves
+the same and one conformance suite tests them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Literal
+
+from workbench._src import primitives
+from workbench._src.errors import ConfigurationError, ReplicaContextError
+from workbench._src.inputs import InputReplication
+from workbench._src.optimizer import ReplicatedOptimizer
+from workbench._src.tf_setup import tf
+
+
+class Replicator:
+    """Runs a step_fn on several replicas. Subclasses pick the devices and the strategy.
+
+    Example:
+      >>> import workbench as wb, tensorflow as tf, keras
+      >>> repl = wb.replicator("mirrored", num_replicas=2)
+      >>> with repl.context():
+      ...     w = tf.Variable(1.0)
+      >>> def input_fn(ctx):
+      ...     return tf.data.Dataset.from_tensors(tf.ones([4])).repeat()
+      >>> def step_fn(x):
+      ...     return {"total": repl.all_sum(tf.reduce_sum(x) * w)}
+      >>> [float(o["total"]) for o in repl.run(step_fn, input_fn)]
+      [4.0, 4.0]
+    """
+
+    backend: str = "?"
+    synchronous: bool = True
+
+    def __init__(
+        self,
+        input_replication: InputReplication = InputReplication.PER_WORKER,
+        input_split_fn: Callable | None = None,
+    ):
+        self.input_replication = input_replication
+        self.input_split_fn = input_split_fn
+        self._strategy = None
+        self._programs: dict = {}
+        self._created_variables: list = []
+
+    # ----- what a backend provides -------------------------------------------------------
+    def _make_strategy(self):
+        raise NotImplementedError
+
+    def _logical_devices(self, primary_device: str) -> list[str]:
+        """The devices of the replica whose first device is `primary_device`."""
+        return [primary_device]
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    @property
+    def worker_id(self) -> int:
+        return 0
+
+    def describe(self) -> dict:
+        """Backend name, replica count and devices, for summaries, run records and the UI."""
+        return {"backend": self.backend, "num_replicas": self.num_replicas}
+
+    # ----- the public face ---------------------------------------------------------------
+    @property
+    def strategy(self):
+        """The underlying tf.distribute.Strategy (for code that wants TensorFlow's own API)."""
+        if self._strategy is None:
+            self._strategy = self._make_strategy()
+        return self._strategy
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def replica_id(self):
+        """This replica's index, as an int32 tensor; only inside step_fn."""
+        return primitives.replica_context(self.strategy, "replica_id").replica_id_in_sync_group
+
+    @contextlib.contextmanager
+    def context(self):
+        """Variables created inside are replicated (one synchronised copy per replica).
+
+        Build the model and the optimizer here. The replicator also remembers the variables, so
+        `train(checkpoint_dir=...)` can save them without being told what the model is.
+        """
+        created = self._created_variables
+
+        def record(next_creator, **kwargs):
+            v = next_creator(**kwargs)
+            created.append(v)
+            return v
+
+        t = tf()
+        with self.strategy.scope(), t.variable_creator_scope(record):
+            yield self
+
+    def wrap_optimizer(self, optimizer) -> ReplicatedOptimizer:
+        """Makes `optimizer` average gradients across replicas (TF-Replicator's convention).
+
+        Write step_fn's loss as on one device (mean over its own batch); an N-replica step then
+        equals a one-device step on the N batches together. Several wrapped optimizers can be
+        used in one step_fn (e.g. generator and discriminator).
+        """
+        return ReplicatedOptimizer(optimizer, self)
+
+    # primitives: see workbench/_src/primitives.py for their exact definitions
+    def all_reduce(self, x, op: Literal["sum", "mean", "max", "min"] = "sum"):
+        """Every replica gets op over all replicas' x (nested structures accepted)."""
+        return primitives.all_reduce(self.strategy, x, op)
+
+    def all_sum(self, x):
+        """Every replica gets the sum over replicas of x."""
+        return primitives.all_reduce(self.strategy, x, "sum")
+
+    def all_gather(self, x, axis: int = 0):
+        """Every replica gets all replicas' x concatenated along `axis`, in replica order."""
+        return primitives.all_gather(self.strategy, x, axis)
+
+    def broadcast(self, x, source: int = 0):
+        """Every replica gets replica `source`'s x."""
+        return primitives.broadcast(self.strategy, x, source)
+
+    def map_reduce(self, fn: Callable, x, op: Literal["sum", "mean", "max", "min"] = "sum"):
+        """Replica r applies fn to shard r of x (cut along axis 0); results reduced with op."""
+        return primitives.map_reduce(self.strategy, fn, x, op)
+
+    def map_gather(self, fn: Callable, x):
+        """Replica r applies fn to shard r of x (cut along axis 0); results concatenated."""
+        return primitives.map_gather(self.strategy, fn, x)
+
+    @contextlib.contextmanager
+    def logical_device(self, index: int):
+        """Places the ops inside on this replica's `index`-th device (model parallelism)."""
+        t = tf()
+        ctx = primitives.replica_context(self.strategy, "logical_device")
+        primary = _replica_primary_device(ctx)
+        devices = self._logical_devices(primary)
+        if not 0 <= index < len(devices):
+            raise ConfigurationError(
+                f"logical_device({index}) asked for, but each replica of this {self.backend} "
+                f"replicator has {len(devices)} device(s): {devices}. Fix: create the replicator "
+                f"with num_gpus_per_replica={index + 1} (or more)."
+            )
+        with t.device(devices[index]):
+            yield devices[index]
+
+    def run(self, step_fn: Callable, input_fn: Callable):
+        """Runs one step of step_fn on every replica; returns the list of per-replica outputs.
+
+        Compiled once per (step_fn, input_fn) pair and cached: calling it in a loop neither
+        retraces nor restarts the input pipeline.
+        """
+        return self._program(step_fn, input_fn).run_one()
+
+    def train(self, step_fn: Callable, input_fn: Callable, steps: int, **options):
+        """Trains for `steps` steps in the owned run loop; returns a `wb.Run`.
+
+        See `workbench._src.train_loop.train` for the options (steps_per_execution, reduce,
+        checkpoint_dir, background, ...).
+        """
+        from workbench._src.train_loop import train
+
+        return train(self, step_fn, input_fn, steps, **options)
+
+    # ----- internals ---------------------------------------------------------------------
+    def _program(self, step_fn, input_fn):
+        from workbench._src.program import Program
+
+        key = (step_fn, input_fn)
+        if key not in self._programs:
+            self._programs[key] = Program(self, step_fn, input_fn)
+        return self._programs[key]
+
+    def __repr__(self):
+        details = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "backend")
+        return f"{type(self).__name__}({details})"
+
+
+def _replica_primary_device(ctx) -> str:
+    devices = getattr(ctx, "devices", None)
+    if not devices:
+        raise ReplicaContextError("logical_device() needs a replica context with known devices.")
+    first = devices[0]
+    return first[0] if isinstance(first, (list, tuple)) else first
