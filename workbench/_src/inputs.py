@@ -71,7 +71,8 @@ def call_input_fn(input_fn: Callable, ctx: InputContext):
             f"{type(input_fn).__name__}. Fix: wrap it, e.g. `def input_fn(ctx): return dataset`."
         )
     result = input_fn(ctx) if _takes_an_argument(input_fn) else input_fn()
-    return as_dataset(result, where=getattr(input_fn, "__name__", "input_fn"))
+    name = getattr(input_fn, "__name__", "input_fn")
+    return as_dataset(result, where="input_fn" if name == "input_fn" else f"input_fn ({name})")
 
 
 def as_dataset(result: Any, where: str = "input_fn"):

@@ -48,11 +48,11 @@ def replica_context(strategy, primitive: str):
     return ctx
 
 
-def all_reduce(strategy, x, op: ReduceOp = "sum"):
+def all_reduce(strategy, x, op: ReduceOp = "sum", name: str = "all_reduce"):
     t = tf()
     if op not in _OPS:
         raise ValueError(f"all_reduce op must be one of {_OPS}; received op={op!r}.")
-    ctx = replica_context(strategy, "all_reduce")
+    ctx = replica_context(strategy, name)
     if op in ("sum", "mean"):
         return ctx.all_reduce(op.upper(), x)
     reduce = t.reduce_max if op == "max" else t.reduce_min

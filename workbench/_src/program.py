@@ -12,6 +12,7 @@ stream and a second `train` continues where the first stopped:
 from __future__ import annotations
 
 import inspect
+import re
 import numbers
 from typing import Callable
 
@@ -142,7 +143,7 @@ def _original_error(error: BaseException) -> BaseException:
 
 def _translated(error):
     if SPLIT_ASSERT_MARKER in str(error):
-        message = str(error).split(SPLIT_ASSERT_MARKER, 1)[1].split("\n", 1)[0]
+        message = re.split(r"[\]\n]", str(error).split(SPLIT_ASSERT_MARKER, 1)[1], maxsplit=1)[0]
         return InputError(
             f"A global batch from input_fn does not divide evenly{message}. Received a batch "
             "whose leading dimension is not a multiple of the replica count (often the last, "

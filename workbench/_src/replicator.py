@@ -118,7 +118,7 @@ class Replicator:
 
     def all_sum(self, x):
         """Every replica gets the sum over replicas of x."""
-        return primitives.all_reduce(self.strategy, x, "sum")
+        return primitives.all_reduce(self.strategy, x, "sum", name="all_sum")
 
     def all_gather(self, x, axis: int = 0):
         """Every replica gets all replicas' x concatenated along `axis`, in replica order."""
