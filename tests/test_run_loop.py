@@ -1,0 +1,223 @@
+"""The owned run loop and the input modes: caching, fusing, continuation, stops, checkpoints."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import make_mlp, toy_data
+
+import workbench as wb
+
+
+def counting_input(ctx):
+    """Global batches [4, 1] holding 0, 1, 2, ...: the step number is readable from the data."""
+    return tf.data.Dataset.range(10**9).map(lambda i: tf.fill([4, 1], tf.cast(i, tf.float32)))
+
+
+def test_import_does_not_import_tensorflow():
+    code = "import sys, workbench; print('tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_run_is_compiled_once_and_continues_the_input():
+    repl = wb.replicator("mirrored", num_replicas=2)
+    traces = []
+
+    def step_fn(batch):
+        traces.append(1)  # Python side effect: runs once per trace (per replica), not per step
+        return {"value": tf.reduce_mean(batch)}
+
+    seen = [float(repl.run(step_fn, counting_input)[0]["value"]) for _ in range(5)]
+    assert seen == [0, 1, 2, 3, 4]
+    assert len(traces) == 2  # one trace, two replicas
+
+
+def test_train_continues_from_the_same_iterator_and_reuses_the_compiled_loop():
+    repl = wb.replicator("mirrored", num_replicas=2)
+    traces = []
+
+    def step_fn(batch):
+        traces.append(1)
+        return {"value": tf.reduce_mean(batch)}
+
+    first = repl.train(step_fn, counting_input, steps=7, steps_per_execution=3)
+    traced = len(traces)
+    second = repl.train(step_fn, counting_input, steps=5)  # auto: other chunk lengths
+    assert list(first.history["value"]) == list(range(7))
+    assert list(second.history["value"]) == list(range(7, 12))
+    assert list(second.history["step"]) == list(range(8, 13))
+    assert len(traces) == traced  # n is a tensor: no retrace for other chunk sizes
+
+
+def test_history_throughput_and_summary():
+    repl = wb.replicator("mirrored", num_replicas=4)
+    run = repl.train(lambda b: {"m": tf.reduce_mean(b)}, counting_input, steps=50, steps_per_execution=10)
+    h = run.history
+    assert len(h) == 50 and h["step"].tolist() == list(range(1, 51))
+    assert np.isnan(h["examples_per_sec"][:10]).all()  # the first call traces: not a throughput
+    assert (h["examples_per_sec"][10:] > 0).all()
+    assert h["wall_time"].is_monotonic_increasing
+    assert run.summary()["steps"] == 50 and run.summary()["status"] == "finished"
+    kinds = [e.kind for e in run.events]
+    assert kinds[0] == "started" and kinds[-1] == "ended" and kinds.count("metrics") == 5
+
+
+def test_finite_input_ends_the_run_cleanly():
+    repl = wb.replicator("mirrored", num_replicas=2)
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices(tf.ones([24, 1])).batch(4)
+
+    run = repl.train(lambda b: {"s": tf.reduce_sum(b)}, input_fn, steps=100)
+    assert run.status == "finished" and run.steps == 6
+    assert run.stop_reason == "input exhausted after step 6"
+
+
+def test_background_run_stops_at_a_step_boundary():
+    repl = wb.replicator("mirrored", num_replicas=2)
+    seen = []
+    run = repl.train(
+        lambda b: {"v": tf.reduce_mean(b)}, counting_input, steps=10**7, background=True, sinks=[seen.append]
+    )
+    assert run.running
+    deadline = time.time() + 60
+    while run.steps < 20 and time.time() < deadline:
+        time.sleep(0.05)
+    t0 = time.perf_counter()
+    run.stop().wait(timeout=30)
+    assert time.perf_counter() - t0 < 2.0
+    assert run.status == "stopped" and 20 <= run.steps < 10**7
+    assert list(run.history["v"]) == list(range(run.steps))  # no step lost or repeated
+    assert seen[-1].kind == "ended" and seen[-1].data["status"] == "stopped"
+
+
+def test_ctrl_c_stops_the_run_and_returns_it():
+    repl = wb.replicator("mirrored", num_replicas=2)
+    timer = threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    run = repl.train(lambda b: {"v": tf.reduce_mean(b)}, counting_input, steps=10**7)
+    timer.cancel()
+    assert run.status == "interrupted" and run.steps > 0
+    assert list(run.history["v"]) == list(range(run.steps))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+def _model_step(repl, lr=0.1):
+    import keras
+
+    x, y = toy_data(rows=64)
+    with repl.context():
+        model = make_mlp()
+        opt = repl.wrap_optimizer(keras.optimizers.SGD(lr))
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True).repeat()
+
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(yb, model(xb, training=True), from_logits=True)
+            )
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return {"loss": loss}
+
+    return model, opt, step_fn, input_fn
+
+
+def test_checkpoint_saves_and_resumes(tmp_path):
+    repl = wb.replicator("mirrored", num_replicas=2)
+    model, opt, step_fn, input_fn = _model_step(repl)
+    run = repl.train(step_fn, input_fn, steps=30, checkpoint_dir=tmp_path, checkpoint_every=10)
+    saved = [e.data["path"] for e in run.events if e.kind == "checkpoint"]
+    assert [os.path.basename(p) for p in saved] == ["ckpt-10", "ckpt-20", "ckpt-30"]
+    trained = model.get_weights()
+
+    # A new session: same construction, fresh weights; the checkpoint is restored first.
+    repl2 = wb.replicator("mirrored", num_replicas=2)
+    model2, _, step_fn2, input_fn2 = _model_step(repl2)
+    assert not np.allclose(model2.get_weights()[0], trained[0])
+    resumed = repl2.train(step_fn2, input_fn2, steps=0, checkpoint_dir=tmp_path)
+    assert "resumed from checkpoint at step 30" in resumed.events[0].data["text"]
+    for a, b in zip(model2.get_weights(), trained):
+        np.testing.assert_array_equal(a, b)
+    more = repl2.train(step_fn2, input_fn2, steps=5, checkpoint_dir=tmp_path)
+    assert more.history["step"].tolist() == [31, 32, 33, 34, 35]
+
+
+def test_interrupted_run_writes_its_checkpoint(tmp_path):
+    repl = wb.replicator("single")
+    model, opt, step_fn, input_fn = _model_step(repl)
+    run = repl.train(step_fn, input_fn, steps=10**7, background=True, checkpoint_dir=tmp_path)
+    while run.steps < 5:
+        time.sleep(0.05)
+    run.stop().wait(30)
+    final = [e for e in run.events if e.kind == "checkpoint"][-1]
+    assert final.data["final"] and final.data["path"].endswith(f"ckpt-{run.steps}")
+
+
+def test_two_wrapped_optimizers_in_one_step():
+    """A GAN/actor-critic style step: two losses, two optimizers, each averaged across replicas."""
+    import keras
+
+    def build(repl):
+        with repl.context():
+            keras.utils.set_random_seed(1)
+            a, b = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+            opt_a = repl.wrap_optimizer(keras.optimizers.Adam(0.1))
+            opt_b = repl.wrap_optimizer(keras.optimizers.SGD(0.1))
+
+        def step_fn(x):
+            with tf.GradientTape(persistent=True) as tape:
+                loss_a = tf.reduce_mean((x[:, :2] * a - 1.0) ** 2)
+                loss_b = tf.reduce_mean((x[:, 2:] * b + tf.stop_gradient(tf.reduce_sum(a))) ** 2)
+            opt_a.apply_gradients([(tape.gradient(loss_a, a), a)])
+            opt_b.apply_gradients([(tape.gradient(loss_b, b), b)])
+            return {"loss_a": loss_a, "loss_b": loss_b}
+
+        return a, b, step_fn
+
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype("float32")
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices(x).batch(16, drop_remainder=True).repeat()
+
+    results = []
+    for repl in (wb.NonReplicator(), wb.replicator("mirrored", num_replicas=4)):
+        a, b, step_fn = build(repl)
+        repl.train(step_fn, input_fn, steps=10)
+        results.append(np.concatenate([a.numpy(), b.numpy()]))
+    np.testing.assert_allclose(results[0], results[1], atol=1e-5)
+
+
+def test_per_replica_input_gives_each_replica_its_own_pipeline():
+    repl = wb.MultiGpuReplicator(num_gpus=4, input_replication=wb.InputReplication.PER_REPLICA)
+    contexts = []
+
+    def input_fn(ctx):
+        contexts.append(ctx)
+        return tf.data.Dataset.from_tensors(tf.fill([3], float(ctx.replica_id))).repeat()
+
+    outs = repl.run(lambda b: {"first": b[0], "rid": tf.cast(repl.replica_id, tf.float32)}, input_fn)
+    assert [float(o["first"]) for o in outs] == [0, 1, 2, 3]
+    assert [c.replica_id for c in contexts] == [0, 1, 2, 3] and contexts[0].num_replicas == 4
+
+
+def test_custom_input_split_fn_and_callable_input():
+    def split_time_major(batch, n):  # [time, batch] sequences: split the batch axis (1), not time
+        return tf.split(batch, n, axis=1)
+
+    repl = wb.MultiGpuReplicator(num_gpus=2, input_split_fn=split_time_major)
+
+    def input_fn(ctx):
+        return lambda: tf.reshape(tf.range(12, dtype=tf.float32), [3, 4])  # a callable, not a dataset
+
+    outs = repl.run(lambda b: {"part": b}, input_fn)
+    np.testing.assert_array_equal(outs[0]["part"].numpy(), [[0, 1], [4, 5], [8, 9]])
+    np.testing.assert_array_equal(outs[1]["part"].numpy(), [[2, 3], [6, 7], [10, 11]])
