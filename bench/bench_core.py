@@ -38,12 +38,22 @@ def main():
     strategy = repl.strategy
 
     def dataset():
-        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().shuffle(1024, seed=0).batch(gb, drop_remainder=True)
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .repeat()
+            .shuffle(1024, seed=0)
+            .batch(gb, drop_remainder=True)
+        )
 
     def make_model():
         keras.utils.set_random_seed(0)
         return keras.Sequential(
-            [keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)]
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(10),
+            ]
         )
 
     results = {}
@@ -78,7 +88,11 @@ def main():
     # 2. Keras fit with steps_per_execution.
     with strategy.scope():
         fit_model = make_model()
-        fit_model.compile(keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=args.fit_k)
+        fit_model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=args.fit_k,
+        )
     fit_ds = dataset()
 
     def keras_fit():
@@ -104,7 +118,7 @@ def main():
 
     candidates = {
         "tutorial loop": tutorial,
-        "keras fit k=%d" % args.fit_k: keras_fit,
+        f"keras fit k={args.fit_k}": keras_fit,
         "repl.train auto": lambda: repl.train(step_fn, input_fn, steps=args.steps),
         "repl.train k=1": lambda: repl.train(step_fn, input_fn_k1, steps=args.steps, steps_per_execution=1),
     }
@@ -120,7 +134,7 @@ def main():
         print(f"{name:22s} {results[name]:8.1f} steps/s", flush=True)
 
     base = results["tutorial loop"]
-    fit = results["keras fit k=%d" % args.fit_k]
+    fit = results[f"keras fit k={args.fit_k}"]
     print()
     print(f"repl.train auto / tutorial loop : {results['repl.train auto'] / base:.2f}x (target >= 2.0)")
     print(f"repl.train auto / keras fit     : {results['repl.train auto'] / fit:.2f}x (target >= 1.0)")

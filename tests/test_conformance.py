@@ -150,4 +150,7 @@ def test_logical_device_placement():
     assert by_primary[0][0] == "/device:CPU:1" and "CPU:1" in by_primary[0][1]
     assert by_primary[2][0] == "/device:CPU:3" and "CPU:3" in by_primary[2][1]
     with pytest.raises(wb.ConfigurationError, match=r"logical_device\(2\).*has 2 device"):
-        repl.run(lambda b: repl.logical_device(2).__enter__(), lambda: tf.data.Dataset.from_tensors(tf.zeros([2, 1])).repeat())
+        repl.run(
+            lambda b: repl.logical_device(2).__enter__(),
+            lambda: tf.data.Dataset.from_tensors(tf.zeros([2, 1])).repeat(),
+        )

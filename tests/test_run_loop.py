@@ -8,7 +8,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import tensorflow as tf
 from conftest import make_mlp, toy_data
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 
-def demo(replicas: int = 4, steps: int = 600, out: str = "workbench-demo.png", global_batch: int = 128) -> dict:
+def demo(
+    replicas: int = 4, steps: int = 600, out: str = "workbench-demo.png", global_batch: int = 128
+) -> dict:
     import workbench as wb
 
     wb.configure_devices(cpus=max(8, replicas))
@@ -37,7 +39,9 @@ def demo(replicas: int = 4, steps: int = 600, out: str = "workbench-demo.png", g
     def step_fn(images, labels):
         with t.GradientTape() as tape:
             logits = model(images, training=True)
-            loss = t.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+            loss = t.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            )
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         correct = t.cast(t.equal(t.argmax(logits, -1, output_type=t.int32), labels), t.float32)
@@ -51,10 +55,14 @@ def demo(replicas: int = 4, steps: int = 600, out: str = "workbench-demo.png", g
     devices = wb.device_summary()
     steady = run.history["examples_per_sec"].dropna()
     print("Replicator Workbench demo: MLP on scikit-learn digits")
-    print(f"  devices        : {len(devices['gpus'])} GPU, {devices['virtual_cpus']} virtual CPU on {devices['physical_cores']} physical cores")
+    print(
+        f"  devices        : {len(devices['gpus'])} GPU, {devices['virtual_cpus']} virtual CPU on {devices['physical_cores']} physical cores"
+    )
     print(f"  backend        : {repl.backend}, {repl.num_replicas} replicas, global batch {global_batch}")
     print(f"  steps          : {run.steps} in {elapsed:.1f} s (compile {run.compile_seconds:.1f} s)")
-    print(f"  throughput     : {steady.median() / global_batch:.0f} steps/s, {steady.median():.0f} examples/s")
+    print(
+        f"  throughput     : {steady.median() / global_batch:.0f} steps/s, {steady.median():.0f} examples/s"
+    )
     print(f"  final loss     : {summary['loss']:.4f}   train accuracy {summary['accuracy']:.3f}")
     print(f"  test accuracy  : {test_accuracy:.3f} ({len(y_test)} held-out digits)")
     _plot(run, out, title=f"digits MLP, {repl.num_replicas} mirrored replicas")

@@ -16,7 +16,8 @@ import dataclasses
 import enum
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from workbench._src.errors import InputError
 from workbench._src.tf_setup import tf
@@ -147,9 +148,7 @@ def _split_to_elements(input_split_fn, n, *batch):
     batch = batch[0] if len(batch) == 1 else batch
     parts = list(input_split_fn(batch, n))
     if len(parts) != n:
-        raise InputError(
-            f"input_split_fn must return one part per replica ({n}); it returned {len(parts)}."
-        )
+        raise InputError(f"input_split_fn must return one part per replica ({n}); it returned {len(parts)}.")
     out = t.data.Dataset.from_tensors(parts[0])
     for part in parts[1:]:
         out = out.concatenate(t.data.Dataset.from_tensors(part))

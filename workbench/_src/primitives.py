@@ -19,7 +19,8 @@ Definitions (N replicas, replica r holds x_r):
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from workbench._src.errors import ReplicaContextError
 from workbench._src.tf_setup import tf

@@ -12,9 +12,9 @@ stream and a second `train` continues where the first stopped:
 from __future__ import annotations
 
 import inspect
-import re
 import numbers
-from typing import Callable
+import re
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,8 +30,7 @@ class Program:
     def __init__(self, replicator, step_fn: Callable, input_fn: Callable):
         if not callable(step_fn):
             raise StepFunctionError(
-                f"step_fn must be a function step_fn(batch) -> outputs; received "
-                f"{type(step_fn).__name__}."
+                f"step_fn must be a function step_fn(batch) -> outputs; received {type(step_fn).__name__}."
             )
         self.replicator = replicator
         self.step_fn = step_fn
@@ -164,7 +163,9 @@ def _arguments_for(step_fn: Callable, batch) -> tuple:
     is_tuple = isinstance(batch, (tuple, list))
     if len(required) == 1 or (len(required) == 0 and positional):
         return (batch,)
-    if is_tuple and (len(required) <= len(batch) <= len(positional) or varargs and len(required) <= len(batch)):
+    if is_tuple and (
+        len(required) <= len(batch) <= len(positional) or varargs and len(required) <= len(batch)
+    ):
         return tuple(batch)
     names = ", ".join(p.name for p in positional)
     got = f"a {type(batch).__name__} of {len(batch)} parts" if is_tuple else f"one {type(batch).__name__}"

@@ -8,7 +8,8 @@ the same and one conformance suite tests them all.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from workbench._src import primitives
 from workbench._src.errors import ConfigurationError, ReplicaContextError

@@ -10,7 +10,8 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _ids = itertools.count(1)
 
@@ -89,12 +90,12 @@ class Run:
         return out
 
     # ----- control ------------------------------------------------------------------------
-    def stop(self) -> "Run":
+    def stop(self) -> Run:
         """Asks the run to stop at the next step boundary (returns at once; see wait())."""
         self._stop.set()
         return self
 
-    def wait(self, timeout: float | None = None) -> "Run":
+    def wait(self, timeout: float | None = None) -> Run:
         """Blocks until the run has ended (background runs); re-raises the run's error."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"{self.name} is still running after {timeout} s (step {self.steps}).")
@@ -107,7 +108,7 @@ class Run:
         return self._stop.is_set()
 
     # ----- the event stream ---------------------------------------------------------------
-    def subscribe(self, sink) -> "Run":
+    def subscribe(self, sink) -> Run:
         """Adds a sink: a callable(event) or an object with send(event). Past events are replayed."""
         send = sink if callable(sink) else sink.send
         with self._lock:
@@ -128,7 +129,15 @@ class Run:
             except Exception as e:  # a broken plot must not kill training
                 with self._lock:
                     self._sinks.remove(send)
-                self.events.append(Event("message", self.id, time.time(), self.steps, {"text": f"sink {send!r} removed after error: {e!r}"}))
+                self.events.append(
+                    Event(
+                        "message",
+                        self.id,
+                        time.time(),
+                        self.steps,
+                        {"text": f"sink {send!r} removed after error: {e!r}"},
+                    )
+                )
         return event
 
     def record_rows(self, rows: list[dict]) -> None:

@@ -13,7 +13,8 @@ import signal
 import threading
 import time
 import warnings
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 
@@ -77,7 +78,9 @@ def train(
     for sink in sinks:
         run.subscribe(sink)
     saver = _Saver(replicator, program, checkpoint_dir, checkpoint) if checkpoint_dir else None
-    loop = _Loop(run, program, steps, steps_per_execution, reduce or {}, saver, checkpoint_every, on_nonfinite)
+    loop = _Loop(
+        run, program, steps, steps_per_execution, reduce or {}, saver, checkpoint_every, on_nonfinite
+    )
     if background:
         run._thread = threading.Thread(target=loop.run_catching, name=f"workbench {run.name}", daemon=True)
         run._thread.start()
@@ -92,7 +95,9 @@ def train(
 
 
 class _Loop:
-    def __init__(self, run, program, steps, steps_per_execution, reduce, saver, checkpoint_every, on_nonfinite):
+    def __init__(
+        self, run, program, steps, steps_per_execution, reduce, saver, checkpoint_every, on_nonfinite
+    ):
         self.run, self.program, self.steps = run, program, steps
         self.fixed_k = None if steps_per_execution == "auto" else steps_per_execution
         self.reduce, self.saver, self.checkpoint_every = reduce, saver, checkpoint_every
@@ -107,7 +112,9 @@ class _Loop:
             if self.saver:
                 restored = self.saver.restore_if_any()
                 if restored is not None:
-                    run.publish("message", text=f"resumed from checkpoint at step {restored}: {self.saver.directory}")
+                    run.publish(
+                        "message", text=f"resumed from checkpoint at step {restored}: {self.saver.directory}"
+                    )
             run.publish("started", config=run.config, first_step=self.program.steps_done + 1)
             status, reason = self._loop()
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by the caller
@@ -125,7 +132,9 @@ class _Loop:
         first_call = True
         while program.steps_done < target:
             if run.stop_requested:
-                return ("interrupted" if getattr(run, "_interrupted", False) else "stopped"), f"stopped at step {program.steps_done}"
+                return (
+                    "interrupted" if getattr(run, "_interrupted", False) else "stopped"
+                ), f"stopped at step {program.steps_done}"
             k = min(k, target - program.steps_done, self._steps_to_next_checkpoint())
             first = program.steps_done + 1
             t0 = time.perf_counter()
@@ -258,7 +267,9 @@ def _check_options(steps, steps_per_execution, reduce, on_nonfinite, checkpoint_
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ConfigurationError(f"steps must be a non-negative integer; received steps={steps!r}.")
     if steps_per_execution != "auto" and (
-        not isinstance(steps_per_execution, int) or isinstance(steps_per_execution, bool) or steps_per_execution < 1
+        not isinstance(steps_per_execution, int)
+        or isinstance(steps_per_execution, bool)
+        or steps_per_execution < 1
     ):
         raise ConfigurationError(
             f"steps_per_execution must be a positive integer or 'auto'; received {steps_per_execution!r}."
@@ -270,8 +281,12 @@ def _check_options(steps, steps_per_execution, reduce, on_nonfinite, checkpoint_
                 "reduce inside step_fn with repl.all_reduce(x, 'max') and return the result."
             )
     if on_nonfinite not in ("stop", "raise", "ignore"):
-        raise ConfigurationError(f"on_nonfinite must be 'stop', 'raise' or 'ignore'; received {on_nonfinite!r}.")
-    if checkpoint_every is not None and (not checkpoint_dir or not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ConfigurationError(
+            f"on_nonfinite must be 'stop', 'raise' or 'ignore'; received {on_nonfinite!r}."
+        )
+    if checkpoint_every is not None and (
+        not checkpoint_dir or not isinstance(checkpoint_every, int) or checkpoint_every < 1
+    ):
         raise ConfigurationError(
             f"checkpoint_every needs a positive step count and a checkpoint_dir; received "
             f"checkpoint_every={checkpoint_every!r}, checkpoint_dir={checkpoint_dir!r}."

@@ -7,7 +7,11 @@ from workbench._src.errors import ConfigurationError
 # name -> (module, class, what it is); process backends are added by their own issue.
 BACKENDS = {
     "single": ("workbench._src.backends.single", "NonReplicator", "one device"),
-    "mirrored": ("workbench._src.backends.mirrored", "MultiGpuReplicator", "synchronous, all local GPUs or virtual CPUs"),
+    "mirrored": (
+        "workbench._src.backends.mirrored",
+        "MultiGpuReplicator",
+        "synchronous, all local GPUs or virtual CPUs",
+    ),
     "tpu": ("workbench._src.backends.tpu", "TpuReplicator", "synchronous on TPU cores"),
 }
 

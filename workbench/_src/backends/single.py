@@ -33,4 +33,8 @@ class NonReplicator(Replicator):
         return tf().distribute.OneDeviceStrategy(device)
 
     def describe(self) -> dict:
-        return {"backend": self.backend, "num_replicas": 1, "devices": [self.strategy.extended.worker_devices[0]]}
+        return {
+            "backend": self.backend,
+            "num_replicas": 1,
+            "devices": [self.strategy.extended.worker_devices[0]],
+        }

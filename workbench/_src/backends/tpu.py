@@ -22,7 +22,7 @@ class TpuReplicator(Replicator):
     def __init__(self, tpu: str | None = None, **input_options):
         super().__init__(**input_options)
         self.tpu = tpu
-        self.strategy  # connect now: a missing TPU should fail here, not at the first step
+        _ = self.strategy  # connect now: a missing TPU should fail here, not at the first step
 
     @classmethod
     def from_replicas(cls, num_replicas=None, **kwargs):
