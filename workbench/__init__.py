@@ -17,6 +17,8 @@ from workbench._src.backends import replicator
 from workbench._src.backends.mirrored import MultiGpuReplicator
 from workbench._src.backends.single import NonReplicator
 from workbench._src.backends.tpu import TpuReplicator
+from workbench._src.batchnorm import CrossReplicaBatchNorm
+from workbench._src.batchnorm_report import BatchNormReport, batchnorm_report
 from workbench._src.errors import (
     ConfigurationError,
     DeviceError,
@@ -28,30 +30,50 @@ from workbench._src.errors import (
     WorkbenchError,
 )
 from workbench._src.inputs import InputContext, InputReplication
+from workbench._src.loss_scaling import LossScalingReport, check_loss_scaling
+from workbench._src.notebook import current, load_ipython_extension, load_run, runs, set_runs_dir, ui, use
+from workbench._src.numerics import compare_numerics, plot_numerics
 from workbench._src.replicator import Replicator
 from workbench._src.run import Event, Run
+from workbench._src.scaling import ScalingStudy, scaling_study
 from workbench._src.tf_setup import configure_devices, device_summary
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchNormReport",
     "ConfigurationError",
+    "CrossReplicaBatchNorm",
     "DeviceError",
     "Event",
     "InputContext",
     "InputError",
     "InputReplication",
+    "LossScalingReport",
     "MultiGpuReplicator",
     "NonFiniteError",
     "NonReplicator",
     "ReplicaContextError",
     "Replicator",
     "Run",
+    "ScalingStudy",
     "StepFunctionError",
     "TpuReplicator",
     "TpuUnavailableError",
     "WorkbenchError",
+    "batchnorm_report",
+    "check_loss_scaling",
+    "compare_numerics",
     "configure_devices",
+    "current",
     "device_summary",
+    "load_ipython_extension",
+    "load_run",
+    "plot_numerics",
     "replicator",
+    "runs",
+    "scaling_study",
+    "set_runs_dir",
+    "ui",
+    "use",
 ]

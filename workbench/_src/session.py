@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from workbench._src.errors import ConfigurationError
 
@@ -101,7 +102,12 @@ def choose(
                 "and will work here once that backend lands. Fix: for synchronous replicas on this "
                 "machine use --backend mirrored --replicas N (wb.use('mirrored', num_replicas=N))."
             )
-        choice = {"backend": backend, "num_replicas": num_replicas, "num_workers": num_workers, "num_ps": num_ps}
+        choice = {
+            "backend": backend,
+            "num_replicas": num_replicas,
+            "num_workers": num_workers,
+            "num_ps": num_ps,
+        }
         if _current is not None and choice == _choice:
             return _current
         from workbench._src.backends import replicator
@@ -206,7 +212,12 @@ def magic_line(
     if functions:
         parts += list(functions)
     parts += ["--backend", backend]
-    for flag, value in (("--replicas", num_replicas), ("--workers", num_workers), ("--ps", num_ps), ("--steps", steps)):
+    for flag, value in (
+        ("--replicas", num_replicas),
+        ("--workers", num_workers),
+        ("--ps", num_ps),
+        ("--steps", steps),
+    ):
         if value is not None:
             parts += [flag, str(value)]
     if background:

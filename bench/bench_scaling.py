@@ -1,0 +1,98 @@
+"""Weak (or strong) scaling of an MLP on scikit-learn's digits over 1, 2, 4, 8 mirrored replicas.
+
+    python bench/bench_scaling.py [--mode weak|strong] [--batch 32] [--steps 200] [--out DIR (default runs/scaling)]
+
+Writes DIR/scaling-<mode>.png and DIR/scaling-<mode>.csv and prints the table. On a machine
+without GPUs the replicas are virtual CPUs sharing the physical cores: the figure says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=["weak", "strong"], default="weak")
+    parser.add_argument("--replicas", default="1,2,4,8")
+    parser.add_argument("--batch", type=int, default=32, help="per replica (weak) or global (strong)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps-per-execution", type=int, default=20)
+    parser.add_argument("--out", default="runs/scaling")
+    args = parser.parse_args()
+    replicas = [int(n) for n in args.replicas.split(",")]
+
+    import workbench as wb
+
+    wb.configure_devices(cpus=max(8, *replicas))
+    import keras
+    import pandas as pd
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16.0).astype("float32"), y.astype("int32")
+
+    def setup(repl):
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
+
+        def input_fn(ctx):
+            ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=0).repeat()
+            return ds.batch(ctx.global_batch_size, drop_remainder=True).prefetch(2)
+
+        def step_fn(images, labels):
+            with tf.GradientTape() as tape:
+                logits = model(images, training=True)
+                loss = tf.reduce_mean(
+                    keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+                )
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return {"loss": loss}
+
+        return step_fn, input_fn
+
+    os.makedirs(args.out, exist_ok=True)
+    study = wb.scaling_study(
+        setup=setup,
+        replicas=replicas,
+        mode=args.mode,
+        batch_size=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        steps_per_execution=args.steps_per_execution,
+        reference="tf-replicator-resnet50",
+        path=os.path.join(args.out, f"scaling-{args.mode}.png"),
+    )
+    study.table.to_csv(os.path.join(args.out, f"scaling-{args.mode}.csv"), index=False)
+    cols = [
+        "replicas",
+        "global_batch",
+        "per_replica_batch",
+        "examples_per_sec",
+        "step_time_median_s",
+        "step_time_p90_s",
+        "speedup",
+        "efficiency",
+        "compile_seconds",
+        "devices_kind",
+        "physical_cores",
+    ]
+    with pd.option_context("display.width", 200, "display.float_format", "{:.4g}".format):
+        print(study.table[cols].to_string(index=False))
+    print(study.table["threads_note"].iloc[-1])
+    print("figure:", study.path)
+
+
+if __name__ == "__main__":
+    main()

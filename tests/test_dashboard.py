@@ -1,0 +1,178 @@
+"""The live dashboard sink: throttled, off the training thread, display updated in place."""
+
+import math
+import threading
+import time
+
+import pytest
+import tensorflow as tf
+from IPython.utils.capture import capture_output
+from notebook_toy import ipython_shell
+
+import workbench as wb
+from workbench._src import figure
+from workbench._src.dashboard import Dashboard
+from workbench._src.run import Event
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class RecordingSink:
+    """Records every event and the thread it arrived on."""
+
+    def __init__(self):
+        self.events, self.threads = [], set()
+
+    def send(self, event):
+        self.events.append(event)
+        self.threads.add(threading.current_thread().name)
+
+
+def event(kind, step=0, **data):
+    return Event(kind, "20260101-000000-007", time.time(), step, data)
+
+
+def synthetic_run(sinks, steps=600, seconds=2.5, rows_per_event=5):
+    """Feeds started / metrics / ended events as a fast training loop would; returns send() costs."""
+    costs = []
+    config = {"backend": "mirrored", "num_replicas": 2, "steps": steps}
+    for s in sinks:
+        s.send(event("started", config=config, first_step=1))
+    step, t0 = 0, time.perf_counter()
+    while step < steps:
+        rows = []
+        for _ in range(rows_per_event):
+            step += 1
+            rows.append(
+                {
+                    "step": step,
+                    "wall_time": time.perf_counter() - t0,
+                    "examples_per_sec": 1000.0 + step,
+                    "loss": 10 / step,
+                    "acc": step / steps,
+                }
+            )
+        e = event("metrics", step, rows=rows)
+        for s in sinks:
+            c0 = time.perf_counter()
+            s.send(e)
+            costs.append(time.perf_counter() - c0)
+        time.sleep(seconds * rows_per_event / steps)
+    for s in sinks:
+        s.send(event("ended", step, status="finished", reason=None))
+    return costs, time.perf_counter() - t0
+
+
+def test_rate_is_bounded_and_rendering_is_off_the_sending_thread():
+    dash = Dashboard(frontend="widgets", display=False, render_budget=1.0)  # only the 2 Hz bound
+    recorder = RecordingSink()
+    costs, seconds = synthetic_run([recorder, dash])
+    assert 1 <= dash.renders <= seconds * 2 + 1, (dash.renders, seconds)
+    gaps = [b - a for a, b in zip(dash.render_times, dash.render_times[1:])]
+    assert all(g >= 0.45 for g in gaps), gaps
+    assert dash.render_threads == {"workbench dashboard"}
+    assert threading.current_thread().name not in dash.render_threads
+    metrics_costs = sorted(costs)[: len(costs) - 2]  # started/ended do their work synchronously
+    assert sorted(metrics_costs)[len(metrics_costs) // 2] < 0.001  # send only records
+    # Everything shown comes from the events: the dashboard's history is the recorded rows.
+    rows = [r for e in recorder.events if e.kind == "metrics" for r in e.data["rows"]]
+    assert dash.history.snapshot()["loss"] == [r["loss"] for r in rows]
+    assert dash.png.startswith(PNG_MAGIC) and dash._image.value == dash.png
+    assert dash._bar.n == 600 and dash._bar.total == 600
+    assert "finished" in dash._header.value and "step 600/600" in dash._header.value
+    assert dash.error is None
+
+
+def test_default_budget_keeps_drawing_a_small_fraction_of_the_time():
+    dash = Dashboard(frontend="widgets", display=False, render_budget=0.03)
+    _, seconds = synthetic_run([dash], seconds=4.0)
+    assert dash.renders >= 1
+    # Each drawing waits until its CPU cost is under 3% of the time since the one before.
+    for (t0, t1), cost in zip(zip(dash.render_times, dash.render_times[1:]), dash.render_costs):
+        assert t1 - t0 >= cost / 0.03 - 0.05
+    assert sum(dash.render_costs[:-1]) <= 0.03 * seconds + 0.05
+
+
+def test_display_is_updated_in_place_and_ends_as_a_static_png():
+    ipython_shell()
+    with capture_output() as cap:
+        dash = Dashboard(frontend="widgets", display=True)
+        synthetic_run([dash], steps=50, seconds=0.6)
+    first, *rest = cap.outputs
+    assert "application/vnd.jupyter.widget-view+json" in first.data and not first.update
+    display_id = first.transient["display_id"]
+    # One display, then only in-place updates of that same display: no clear_output anywhere.
+    assert len(rest) == 1 and rest[0].update and rest[0].transient["display_id"] == display_id
+    assert rest[0].data["image/png"] and "finished" in rest[0].data["text/plain"]
+    assert dash.widget.comm is None  # a finished foreground run frees its widgets
+
+
+def test_a_real_background_run_with_the_stop_button():
+    repl = wb.replicator("mirrored", num_replicas=2)
+
+    def input_fn(ctx):
+        return tf.data.Dataset.range(10**9).map(lambda i: tf.fill([4, 1], tf.cast(i % 7, tf.float32)))
+
+    def step_fn(x):
+        return {"loss": tf.reduce_mean(x) + 1.0}
+
+    dash = Dashboard(frontend="widgets", display=False, render_budget=1.0)
+    recorder = RecordingSink()
+    run = repl.train(step_fn, input_fn, steps=10**7, background=True, sinks=[recorder, dash])
+    dash.attach_stop(run.stop)
+    assert dash._stop_button.layout.display == ""
+    deadline = time.time() + 30
+    while dash.renders < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    dash._stop_button.click()  # what the user's click does
+    run.wait(30)
+    assert run.status == "stopped" and dash.status == "stopped"
+    assert dash.renders >= 2 and dash.render_threads == {"workbench dashboard"}
+    assert recorder.threads == {f"workbench {run.name}"}  # events come from the training thread
+    history = run.history
+    seen = dash.history.snapshot()
+    assert seen["step"] == history["step"].tolist() and seen["loss"] == history["loss"].tolist()
+    assert dash._stop_button.layout.display == "none" and dash.png.startswith(PNG_MAGIC)
+
+
+def test_a_broken_plot_never_touches_training(monkeypatch):
+    dash = Dashboard(frontend="widgets", display=False, render_budget=1.0)
+
+    def broken(*args):
+        raise RuntimeError("no fonts today")
+
+    monkeypatch.setattr(figure, "render", broken)
+    repl = wb.replicator("single")
+    run = repl.train(
+        lambda x: {"v": tf.reduce_sum(x)},
+        lambda ctx: tf.data.Dataset.from_tensors(tf.ones([2])).repeat(),
+        steps=30,
+        sinks=[dash],
+    )
+    assert run.status == "finished" and run.steps == 30
+    assert run.summary()["v"] == 2.0
+
+
+def test_console_frontend_outside_a_kernel(capsys):
+    dash = Dashboard(frontend="console")
+    synthetic_run([dash], steps=100, seconds=0.6)
+    err = capsys.readouterr()
+    assert "100/100" in err.err and "<" in err.err  # tqdm: elapsed<remaining (the ETA)
+    assert "mirrored x 2 \u00b7 finished" in err.out
+    assert dash.widget is None and dash.png.startswith(PNG_MAGIC)
+
+
+def test_failed_run_shows_the_reason():
+    dash = Dashboard(frontend="widgets", display=False)
+    dash.send(event("started", config={"backend": "single", "num_replicas": 1, "steps": 10}, first_step=1))
+    dash.send(
+        event("metrics", 1, rows=[{"step": 1, "wall_time": 0.1, "examples_per_sec": math.nan, "loss": 1.0}])
+    )
+    dash.send(event("ended", 1, status="failed", reason="InvalidArgumentError: boom"))
+    assert "failed" in dash._header.value and "boom" in dash._header.value
+
+
+@pytest.mark.parametrize("frontend", ["bogus"])
+def test_bad_frontend(frontend):
+    with pytest.raises(ValueError, match="frontend must be 'auto', 'widgets' or 'console'; received 'bogus'"):
+        Dashboard(frontend=frontend)

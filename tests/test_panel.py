@@ -1,0 +1,135 @@
+"""wb.ui.panel(): widget state without a browser; choices shared with %replicate; Run and Stop."""
+
+import time
+
+import pytest
+import traitlets
+from notebook_toy import TOY_CELL, ipython_shell, isolated_notebook_state
+
+import workbench as wb
+from workbench._src import session
+
+
+@pytest.fixture
+def ns(tmp_path):
+    with isolated_notebook_state(tmp_path / "runs"):
+        yield {}
+
+
+@pytest.fixture
+def panel(ns):
+    p = wb.ui.panel(namespace=ns)
+    yield p
+    if p.run is not None and p.run.running:
+        p.run.stop().wait(30)
+    p.close()
+
+
+def wait_for(condition, timeout=60):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_devices_and_choices_that_cannot_work(panel):
+    devices = wb.device_summary()
+    assert (
+        f"{devices['virtual_cpus']} virtual CPU" in panel._devices.value and "0 GPU" in panel._devices.value
+    )
+    buttons = panel._backend_buttons
+    assert list(buttons) == ["single", "mirrored", "multi-worker", "async-ps", "tpu"]
+    assert not buttons["single"].disabled and not buttons["mirrored"].disabled
+    for name in ("multi-worker", "async-ps"):
+        assert buttons[name].disabled and "not available in this version" in buttons[name].tooltip
+    assert buttons["tpu"].disabled and "no TPU" in buttons["tpu"].tooltip
+    assert panel._async_button.disabled and "not available" in panel._async_button.tooltip
+    assert "tpu: no TPU" in panel._reasons.value
+    with pytest.raises(traitlets.TraitError, match="backend 'tpu' cannot be chosen here: no TPU"):
+        panel.backend = "tpu"
+    with pytest.raises(traitlets.TraitError, match=r"replicas must be between 1 and 8 .* received 9"):
+        panel.replicas = 9
+    assert panel._replicas.get_state()["max"] == devices["virtual_cpus"]
+
+
+def test_opening_the_panel_chooses_nothing(panel):
+    assert session.current_or_none() is None
+    assert panel.backend == "mirrored" and panel.replicas == 2
+    assert (
+        panel.magic_line
+        == "%replicate step_fn input_fn --backend mirrored --replicas 2 --steps 300 --background"
+    )
+    assert panel.magic_line in panel._magic.get_state()["value"]
+
+
+def test_choosing_in_the_panel_sets_the_session_replicator_as_the_magic_does(panel):
+    ip = ipython_shell()
+    panel._replicas.value = 4  # the user types 4
+    repl = wb.current()
+    assert repl.backend == "mirrored" and repl.num_replicas == 4
+    assert ip.run_line_magic("replicate", "--backend mirrored --replicas 4") is repl  # the same choice
+    assert "--replicas 4" in panel.magic_line
+    panel._backend_buttons["single"].value = True  # the user clicks "single"
+    assert wb.current().backend == "single" and panel._replicas.disabled and panel._replicas.value == 1
+    assert not panel._backend_buttons["mirrored"].value
+    assert panel.magic_line.startswith("%replicate step_fn input_fn --backend single --steps 300")
+    # ... and the panel follows the magic.
+    ip.run_line_magic("replicate", "--backend mirrored --replicas 3")
+    assert panel.backend == "mirrored" and panel.replicas == 3 and panel._backend_buttons["mirrored"].value
+    assert "--replicas 3" in panel.magic_line and wb.current().num_replicas == 3
+    panel._sync_button.value = True  # sync while already synchronous: no change
+    assert panel.backend == "mirrored"
+
+
+def test_run_trains_the_notebook_functions_in_the_background(panel, ns):
+    panel.steps = 40
+    panel.apply()
+    from notebook_toy import define_toy
+
+    define_toy(wb.current(), ns)
+    panel._run_button.click()
+    run = panel.run
+    assert run is not None and panel._run_button.disabled and not panel._stop_button.disabled
+    run.wait(60)
+    assert run.status == "finished" and run.steps == 40
+    wait_for(lambda: not panel._run_button.disabled)
+    assert panel.status.startswith(f"{run.name} finished at step 40") and panel._stop_button.disabled
+    (dash_box,) = panel._live.children
+    image = dash_box.children[-1]
+    assert bytes(image.value).startswith(b"\x89PNG")
+    assert wb.load_run(run.id).status == "finished"  # recorded like any run
+
+
+def test_stop_button_stops_the_run(panel, ns):
+    panel.steps = 10**7
+    panel.apply()
+    from notebook_toy import define_toy
+
+    define_toy(wb.current(), ns)
+    run = panel.start()
+    wait_for(lambda: run.steps >= 10)
+    panel._stop_button.click()
+    run.wait(30)
+    assert run.status == "stopped" and 10 <= run.steps < 10**7
+    wait_for(lambda: "stopped" in panel.status)
+
+
+def test_run_without_functions_says_what_to_do(panel):
+    panel._run_button.click()
+    assert panel.run is None
+    assert panel.status.startswith("error: step_fn and input_fn not defined in the notebook. Fix:")
+    assert "color:#a33" in panel._status.value
+
+
+def test_panel_uses_the_shell_namespace_by_default(ns):
+    ip = ipython_shell()
+    ip.run_cell_magic("replicate", "--backend mirrored --replicas 2 --steps 1 --no-live", TOY_CELL)
+    p = wb.ui.panel()
+    try:
+        assert p.replicas == 2 and p.backend == "mirrored"  # opens on the session's choice
+        p.steps = 5
+        run = p.start()
+        run.wait(60)
+        assert run.status == "finished" and run.history["step"].tolist() == [2, 3, 4, 5, 6]
+    finally:
+        p.close()

@@ -1,0 +1,160 @@
+"""Run history: every run recorded (config, history, figure, TensorBoard), listed and reloaded."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+import tensorflow as tf
+from notebook_toy import define_toy, isolated_notebook_state
+from tensorflow.python.summary.summary_iterator import summary_iterator
+
+import workbench as wb
+from workbench._src import runstore
+
+
+def wait_for(condition, timeout=60):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    with isolated_notebook_state(tmp_path / "runs"):
+        yield tmp_path / "runs"
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return define_toy(wb.replicator("mirrored", num_replicas=2), {})
+
+
+def test_import_workbench_stays_light():
+    code = "import sys, workbench; print(sorted({'tensorflow', 'matplotlib', 'ipywidgets', 'pandas', 'IPython'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_a_run_is_recorded_with_config_history_figure_and_tensorboard(runs_dir, toy):
+    run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=60, steps_per_execution=20)
+    folder = runs_dir / run.id
+    assert sorted(os.listdir(folder)) == ["config.json", "dashboard.png", "events.jsonl", "history.csv", "tb"]
+    record = json.loads((folder / "config.json").read_text())
+    assert record["status"] == "finished" and record["config"]["backend"] == "mirrored"
+    assert record["config"]["num_replicas"] == 2 and record["summary"]["steps_recorded"] == 60
+    history = pd.read_csv(folder / "history.csv")
+    pd.testing.assert_frame_equal(history, run.history, check_dtype=False)
+    assert (folder / "dashboard.png").read_bytes().startswith(b"\x89PNG")
+    kinds = [json.loads(line)["kind"] for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert kinds == ["started", "ended"]
+    # TensorBoard: one scalar per step and metric, tagged as the scalars plugin expects.
+    (events_file,) = glob.glob(str(folder / "tb" / "events.out.tfevents.*"))
+    values = {}
+    for e in summary_iterator(events_file):
+        for v in e.summary.value:
+            assert v.metadata.plugin_data.plugin_name == "scalars"
+            values.setdefault(v.tag, []).append((e.step, float(tf.make_ndarray(v.tensor))))
+    assert [s for s, _ in values["loss"]] == list(range(1, 61))
+    np.testing.assert_allclose([x for _, x in values["loss"]], run.history["loss"], rtol=1e-6)
+    assert len(values["examples_per_sec"]) == 40  # the first (compiling) chunk is untimed: NaN, not written
+
+
+def test_runs_lists_them_and_load_run_reloads_one(runs_dir, toy):
+    a = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=10)
+    b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=20)
+    table = wb.runs()
+    assert table["id"].tolist() == [a.id, b.id]
+    assert table["status"].tolist() == ["finished", "finished"]
+    assert table["steps"].tolist() == [10, 20] and table["backend"].tolist() == ["mirrored"] * 2
+    for column in ("num_replicas", "started", "duration_s", "examples_per_sec", "loss", "path"):
+        assert column in table.columns
+    rec = wb.load_run(b.id)
+    assert rec.status == "finished" and rec.config["steps"] == 20 and rec.summary["steps_recorded"] == 20
+    pd.testing.assert_frame_equal(rec.history, b.history, check_dtype=False)
+    assert wb.load_run(-1).id == b.id and wb.load_run(0).id == a.id and wb.load_run(b).id == b.id
+    assert rec.figure_path.exists() and "<img src='data:image/png;base64," in rec._repr_html_()
+
+
+def test_load_run_mistakes(runs_dir, toy):
+    run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=3)
+    with pytest.raises(
+        wb.ConfigurationError,
+        match=rf"No recorded run 'nope' under .*the latest: {run.id}.*Fix: pick an id from wb.runs\(\)",
+    ):
+        wb.load_run("nope")
+    with pytest.raises(
+        wb.ConfigurationError, match=r"load_run\(5\) asked for position 5, but .* holds 1 recorded run"
+    ):
+        wb.load_run(5)
+
+
+def test_failed_stopped_and_lost_runs_are_recorded(runs_dir, toy):
+    repl = toy["repl"]
+
+    def bad_input(ctx):  # element 5 is not finite: check_numerics fails inside the compiled loop
+        x = tf.data.Dataset.range(10**6).map(lambda i: tf.fill([4, 1], tf.where(i == 5, np.inf, 1.0)))
+        return x.map(lambda v: tf.debugging.check_numerics(v, "bad input"))
+
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        repl.train(lambda x: {"loss": tf.reduce_mean(x)}, bad_input, steps=20, steps_per_execution=1)
+    failed = wb.load_run(-1)
+    assert (
+        failed.status == "failed"
+        and "bad input" in json.loads((failed.path / "config.json").read_text())["stop_reason"]
+    )
+    assert failed.history["step"].tolist() == [1, 2, 3, 4, 5]
+
+    run = repl.train(toy["step_fn"], toy["input_fn"], steps=10**7, background=True)
+    wait_for(lambda: run.steps >= 5)
+    run.stop().wait(30)
+    assert wb.load_run(run.id).status == "stopped"
+
+    # A record left "running" by a process that is gone (a dead kernel) reads as lost.
+    lost = runs_dir / "20200101-000000-001"
+    lost.mkdir()
+    (lost / "config.json").write_text(
+        json.dumps(
+            {
+                "id": lost.name,
+                "status": "running",
+                "pid": 2**22 + 12345,
+                "host": os.uname().nodename,
+                "started": 1.0,
+            }
+        )
+    )
+    assert wb.runs().set_index("id").loc[lost.name, "status"] == "lost"
+
+
+def test_runs_dir_from_env_function_and_logdir(tmp_path, monkeypatch, toy):
+    with isolated_notebook_state(tmp_path / "a"):
+        assert runstore.runs_dir() == tmp_path / "a"
+        wb.set_runs_dir(None)
+        monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "env"))
+        assert runstore.runs_dir() == tmp_path / "env"
+        monkeypatch.delenv("WORKBENCH_RUNS_DIR")
+        assert str(runstore.runs_dir()) == "runs"
+        with runstore.directory(tmp_path / "logdir"):
+            run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=2)
+        assert (tmp_path / "logdir" / run.id / "config.json").exists()
+        assert wb.runs(tmp_path / "logdir")["id"].tolist() == [run.id]
+
+
+def test_history_is_flushed_while_running(runs_dir, toy, monkeypatch):
+    monkeypatch.setattr(runstore, "FLUSH_SECONDS", 0.0)
+    run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=10**7, background=True)
+    folder = runs_dir / run.id
+    try:
+        wait_for(lambda: (folder / "history.csv").exists() and run.steps >= 50)
+        partial = pd.read_csv(folder / "history.csv")
+        assert len(partial) >= 1 and list(partial.columns[:3]) == ["step", "wall_time", "examples_per_sec"]
+        assert json.loads((folder / "config.json").read_text())["status"] == "running"
+    finally:
+        run.stop().wait(30)

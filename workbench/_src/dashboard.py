@@ -1,0 +1,302 @@
+"""The live training dashboard: a sink showing loss/metrics and examples/s against step.
+
+Off the hot path by construction: `send` (called on the training thread) only appends rows and
+sets flags; a renderer thread draws at most `max_rate_hz` times a second, and the figure only as
+often as keeps its own drawing under `render_budget` of one core. It never clears other
+output: in a kernel it shows one widget box (status, tqdm progress bar with ETA, the figure as an
+ipywidgets Image) under a display id. Widgets talk over comms, so updates from a background
+run's thread reach the frontend. When the run ends, the display is replaced in place by a static
+PNG (what nbval, nbclient and a saved notebook keep). Outside a kernel (a script, a terminal) it
+is a console tqdm bar and a one-line summary; the figure is the PNG in the run store.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from workbench._src import figure
+from workbench._src.run import Event
+
+Frontend = Literal["auto", "widgets", "console"]
+
+
+def detect_frontend() -> str:
+    """'widgets' inside a Jupyter kernel with ipywidgets installed, else 'console'."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return "console"
+    shell = get_ipython()
+    # The same test tqdm.autonotebook uses: only a kernel has a frontend that renders widgets.
+    if shell is None or "IPKernelApp" not in getattr(shell, "config", {}):
+        return "console"
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return "console"
+    return "widgets"
+
+
+class Dashboard:
+    """A sink: pass it to `repl.train(..., sinks=[wb.ui.dashboard()])`; the magic and panel do.
+
+    Args:
+      display: show the widget box now, under a display id (False: the caller embeds `.widget`).
+      frontend: "widgets", "console", or "auto" (widgets in a kernel, console elsewhere).
+      max_rate_hz: most status/progress refreshes per second.
+      render_budget: most fraction of one core's time spent drawing the figure while the run
+        goes (figure redraws are spaced by their measured CPU cost / render_budget).
+
+    Attributes (read by tests and the bench): renders, render_seconds (CPU), render_times
+    (monotonic), render_costs (CPU s each), cpu_seconds (renderer thread, before the end),
+    render_threads, png (the last figure), history (rows seen in events), error.
+    """
+
+    def __init__(
+        self,
+        *,
+        display: bool = True,
+        frontend: Frontend = "auto",
+        max_rate_hz: float = 2.0,
+        render_budget: float = 0.03,
+        progress: bool = True,
+    ):
+        self.frontend = detect_frontend() if frontend == "auto" else frontend
+        if self.frontend not in ("widgets", "console"):
+            raise ValueError(f"frontend must be 'auto', 'widgets' or 'console'; received {frontend!r}.")
+        self.period = 1.0 / max_rate_hz
+        self.render_budget = render_budget
+        self.history = figure.History()
+        self.started = False
+        self.status = "waiting"
+        self.run_id: str | None = None
+        self.name = ""
+        self.config: dict = {}
+        self.first_step = 1
+        self.message: str | None = None
+        self.png: bytes | None = None  # the last figure drawn
+        self.renders = 0
+        self.render_seconds = 0.0
+        self.render_threads: set[str] = set()
+        self.render_times: list[float] = []
+        self.render_costs: list[float] = []
+        self.cpu_seconds = 0.0  # CPU the renderer thread used while the run went (all refreshes)
+        self.error: BaseException | None = None
+        self._progress = progress
+        self._ended: dict | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_plot = 0.0
+        self._bar = None
+        self._bar_clock_started = False
+        self._handle = None
+        self._background = False
+        self.widget = None
+        if self.frontend == "widgets":
+            self._build_widgets()
+            if display:
+                from IPython.display import display as show
+
+                self._handle = show(self.widget, display_id=True)
+
+    # ----- the sink: runs on the training thread, so it only records -----------------------
+    def send(self, event: Event) -> None:
+        if event.kind == "metrics":
+            self.history.add(event.data["rows"])
+            return
+        if event.kind == "started":
+            self.started, self.status, self.run_id = True, "running", event.run_id
+            self.config = dict(event.data.get("config") or {})
+            self.name = _name_from_id(event.run_id)
+            self.first_step = int(event.data.get("first_step", 1))
+            self._start_thread()
+        elif event.kind in ("message", "checkpoint"):
+            self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
+        elif event.kind == "ended":
+            self.run_id = self.run_id or event.run_id
+            self._ended = dict(event.data)
+            if self._thread is None:
+                self._finish()
+            else:
+                # The final figure is drawn before the run is reported done, so a foreground
+                # cell (and nbclient/nbval) always ends with it.
+                self._wake.set()
+                self._thread.join(timeout=60)
+
+    def attach_stop(self, stop: Callable[[], object]) -> None:
+        """Shows a Stop button that calls `stop` (for background runs; the kernel is free)."""
+        self._background = True
+        if self.widget is None:
+            return
+
+        def on_click(button):
+            button.disabled = True
+            button.description = "Stopping..."
+            stop()
+
+        self._stop_button.on_click(on_click)
+        self._stop_button.layout.display = "" if self._ended is None else "none"
+
+    def close(self) -> None:
+        """Removes the widgets (a run that never started); the renderer thread ends by itself."""
+        self._ended = self._ended or {"status": "closed"}
+        self._wake.set()
+        if self.widget is not None:
+            if self._handle is not None:
+                self._handle.update({"text/plain": ""}, raw=True)
+            for w in (self._bar, self.widget):
+                if w is not None:
+                    w.close()
+
+    @property
+    def target(self) -> int | None:
+        steps = self.config.get("steps")
+        return self.first_step - 1 + int(steps) if steps is not None else None
+
+    # ----- the renderer thread -------------------------------------------------------------
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="workbench dashboard", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while self._ended is None:
+                self._wake.wait(self.period)  # at most max_rate_hz refreshes
+                if self._ended is not None:
+                    break
+                self._refresh(final=False)
+                self.cpu_seconds = time.thread_time()
+        except Exception as e:  # noqa: BLE001 - a broken plot must not touch training
+            self.error = e
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            self.status = (self._ended or {}).get("status", "ended")
+            self._refresh(final=True)
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+
+    def _refresh(self, final: bool) -> None:
+        if self.status == "closed":
+            self._bar.close() if self._bar is not None else None
+            return
+        columns = self.history.snapshot()
+        summary = figure.summarize(columns)
+        self._update_bar(summary, figure.metric_names(columns), final)
+        now = time.monotonic()
+        title = figure.title_for(self.config, self.status, columns, self.name, self.target)
+        if final:
+            self.png = figure.final_png(self.run_id or "?", columns, title)
+            self._show_final(summary, title)
+        elif self.frontend == "widgets" and len(columns.get("step", ())) > 1 and now >= self._next_plot:
+            t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
+            self.png = figure.render(columns, title)
+            self._image.value = self.png
+            cost = time.thread_time() - t0
+            self.renders += 1
+            self.render_seconds += cost
+            self.render_threads.add(threading.current_thread().name)
+            self.render_times.append(now)
+            self.render_costs.append(cost)
+            # Draw again only when this drawing is under render_budget of the time between.
+            self._next_plot = now + max(self.period, cost / self.render_budget)
+        if self.frontend == "widgets":
+            self._header.value = _status_html(title, self.message, (self._ended or {}).get("reason"))
+
+    def _update_bar(self, summary: dict, metrics: list[str], final: bool) -> None:
+        if not self._progress:
+            return
+        if self._bar is None and self.frontend == "console" and self.target is not None:
+            from tqdm.std import tqdm
+
+            self._bar = tqdm(
+                total=self.config.get("steps"), desc=self.name or "training", unit="step", file=sys.stderr
+            )
+        if self._bar is None:
+            return
+        if (
+            self.frontend == "widgets"
+            and self._bar.total != self.config.get("steps")
+            and self.target is not None
+        ):
+            self._bar.reset(total=self.config.get("steps"))
+        done = summary.get("last_step", self.first_step - 1) - (self.first_step - 1)
+        if done > self._bar.n:
+            postfix = {k: f"{summary[k]:.4g}" for k in metrics[:2]}
+            self._bar.set_postfix(postfix, refresh=False)
+            if not self._bar_clock_started:
+                # The first chunk includes compiling: start tqdm's clock after it, so that the
+                # rate and the ETA are those of training, not of tracing.
+                self._bar_clock_started = True
+                self._bar.reset(total=self.config.get("steps"))
+                self._bar.n = self._bar.last_print_n = done
+                self._bar.refresh()
+            else:
+                self._bar.update(done - self._bar.n)
+        if final:
+            self._bar.close()
+
+    def _show_final(self, summary: dict, title: str) -> None:
+        reason = (self._ended or {}).get("reason")
+        text = title + (f" ({reason})" if reason else "")
+        if self.frontend == "console":
+            from workbench._src import runstore
+
+            where = runstore.record_dir(self.run_id)
+            print(text + (f"; figure: {where}/{runstore.FIGURE}" if where else ""), flush=True)
+            return
+        self._image.value = self.png
+        self._stop_button.layout.display = "none"
+        if self._handle is not None:
+            bundle = {"image/png": base64.b64encode(self.png).decode("ascii"), "text/plain": text}
+            self._handle.update(bundle, raw=True)
+            if not self._background:
+                # A foreground cell is still running, so the replacement surely reached the
+                # frontend: free the comms. A background run's may not have (the cell ended).
+                self._bar.close() if self._bar is not None else None
+                self.widget.close()
+
+    # ----- widgets (built in the caller's thread, updated from the renderer's) --------------
+    def _build_widgets(self) -> None:
+        import ipywidgets as w
+
+        self._header = w.HTML(_status_html("waiting for the run to start", None, None))
+        self._image = w.Image(format="png", layout=w.Layout(max_width="100%"))
+        self._stop_button = w.Button(
+            description="Stop",
+            icon="stop",
+            button_style="danger",
+            layout=w.Layout(width="auto", display="none"),
+        )
+        row = [self._stop_button]
+        if self._progress:
+            from tqdm.notebook import tqdm
+
+            self._bar = tqdm(total=None, unit="step", display=False)
+            row.insert(0, self._bar.container)
+        self.widget = w.VBox([self._header, w.HBox(row), self._image])
+
+
+def _name_from_id(run_id: str) -> str:
+    """'20261122-113235-003' -> 'run 3' (what wb.Run names it by default)."""
+    tail = run_id.rsplit("-", 1)[-1]
+    return f"run {int(tail)}" if tail.isdigit() else f"run {run_id}"
+
+
+def _status_html(title: str, message: str | None, reason: str | None) -> str:
+    import html
+
+    out = f"<b>{html.escape(title)}</b>"
+    if reason:
+        out += f"<br><span style='color:#a33'>{html.escape(reason)}</span>"
+    if message:
+        out += f"<br><small>{html.escape(message)}</small>"
+    return out

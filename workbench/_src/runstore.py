@@ -1,0 +1,249 @@
+"""Run history: every run recorded on disk, listed by `wb.runs()`, reloaded by `wb.load_run()`.
+
+Layout, one folder per run under the runs directory (default ./runs; WORKBENCH_RUNS_DIR or
+`wb.set_runs_dir()` override it):
+  <run id>/config.json     backend, replicas, options, status, times, summary
+           history.csv     one row per step (flushed every FLUSH_SECONDS while running)
+           events.jsonl    every event but metrics (started, checkpoint, message, ended)
+           dashboard.png   the run's figure
+           tb/             TensorBoard event files (`tensorboard --logdir runs`)
+Reading them back: `workbench._src.runhistory` (wb.runs, wb.load_run).
+The recorder is a sink registered in train_loop.SINK_FACTORIES by `install()` (which
+`%load_ext workbench` and `wb.set_runs_dir` call); the heavy writing happens at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from workbench._src import figure
+from workbench._src.run import Event
+
+ENV_VAR = "WORKBENCH_RUNS_DIR"
+DEFAULT_DIR = "runs"
+FLUSH_SECONDS = 10.0
+CONFIG, HISTORY, EVENTS, FIGURE, TENSORBOARD = (
+    "config.json",
+    "history.csv",
+    "events.jsonl",
+    "dashboard.png",
+    "tb",
+)
+
+_override: Path | None = None
+_local = threading.local()  # a per-call directory (the magic's --logdir), seen by the factory
+_recorded: dict[str, Path] = {}  # run id -> folder, for runs recorded by this process
+
+
+def runs_dir() -> Path:
+    """Where runs are recorded: set_runs_dir(), else $WORKBENCH_RUNS_DIR, else ./runs."""
+    if _override is not None:
+        return _override
+    return Path(os.environ.get(ENV_VAR) or DEFAULT_DIR)
+
+
+def set_runs_dir(path: str | os.PathLike | None) -> Path:
+    """Records runs under `path` (None: back to $WORKBENCH_RUNS_DIR or ./runs) and turns recording on.
+
+    Example:
+      >>> import workbench as wb, tempfile
+      >>> wb.set_runs_dir(tempfile.mkdtemp()).is_dir()
+      True
+    """
+    global _override
+    _override = Path(path) if path is not None else None
+    install()
+    return runs_dir()
+
+
+@contextlib.contextmanager
+def directory(path: str | os.PathLike | None):
+    """Runs started inside (on this thread) are recorded under `path` (None: no change)."""
+    previous = getattr(_local, "path", None)
+    _local.path = Path(path) if path is not None else previous
+    try:
+        yield
+    finally:
+        _local.path = previous
+
+
+def install() -> None:
+    """Records every run from now on (idempotent): adds the recorder to SINK_FACTORIES."""
+    from workbench._src.train_loop import SINK_FACTORIES
+
+    if _recorder_factory not in SINK_FACTORIES:
+        SINK_FACTORIES.append(_recorder_factory)
+
+
+def uninstall() -> None:
+    """Stops recording new runs."""
+    from workbench._src.train_loop import SINK_FACTORIES
+
+    while _recorder_factory in SINK_FACTORIES:
+        SINK_FACTORIES.remove(_recorder_factory)
+
+
+def record_dir(run_id: str | None) -> Path | None:
+    """The folder this process recorded run `run_id` in, or None."""
+    return _recorded.get(run_id) if run_id else None
+
+
+def _recorder_factory(run) -> Recorder:
+    base = getattr(_local, "path", None) or runs_dir()
+    return Recorder(run.id, run.name, base)
+
+
+class Recorder:
+    """A sink writing one run's folder. Cheap per event; the figure and TensorBoard at the end."""
+
+    def __init__(self, run_id: str, name: str, base: Path):
+        self.run_id, self.name = run_id, name
+        self.path = _new_folder(Path(base), run_id)
+        _recorded[run_id] = self.path
+        self.history = figure.History()
+        self.record: dict = {
+            "id": run_id,
+            "name": name,
+            "status": "created",
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+        self._flushed = 0
+        self._last_flush = time.monotonic()
+
+    def send(self, event: Event) -> None:
+        if event.kind == "metrics":
+            self.history.add(event.data["rows"])
+            if time.monotonic() - self._last_flush > FLUSH_SECONDS:
+                self._flush_history()  # a crashed kernel still leaves most of the history
+            return
+        self._append_event(event)
+        if event.kind == "started":
+            self.record.update(status="running", started=event.time, config=event.data.get("config", {}))
+            self._write_record()
+        elif event.kind == "checkpoint":
+            self.record["last_checkpoint"] = event.data.get("path")
+        elif event.kind == "ended":
+            self._finish(event)
+
+    def _finish(self, event: Event) -> None:
+        columns = self.history.snapshot()
+        self.record.update(
+            status=event.data.get("status"),
+            stop_reason=event.data.get("reason"),
+            ended=event.time,
+            summary=figure.summarize(columns),
+        )
+        self.record.setdefault("started", event.time)
+        self._write_history(columns)
+        self._write_record()  # the essentials are safe before the slower parts below
+        config = self.record.get("config", {})
+        steps = config.get("steps")
+        first = columns["step"][0] if columns.get("step") else 1
+        title = figure.title_for(
+            config, self.record["status"], columns, self.name, first - 1 + steps if steps else None
+        )
+        for what, write in (
+            ("figure", lambda: self._write_figure(columns, title)),
+            ("tensorboard", lambda: _write_tensorboard(self.path / TENSORBOARD, columns)),
+        ):
+            try:
+                write()
+            except Exception as e:  # noqa: BLE001 - recorded in config.json, the run is not lost
+                self.record[f"{what}_error"] = f"{type(e).__name__}: {e}"
+                self._write_record()
+
+    def _write_figure(self, columns: dict, title: str) -> None:
+        if columns.get("step"):
+            (self.path / FIGURE).write_bytes(figure.final_png(self.run_id, columns, title))
+
+    def _append_event(self, event: Event) -> None:
+        line = json.dumps(
+            {"kind": event.kind, "time": event.time, "step": event.step, **event.data}, default=repr
+        )
+        with open(self.path / EVENTS, "a") as f:
+            f.write(line + "\n")
+
+    def _write_record(self) -> None:
+        tmp = self.path / (CONFIG + ".tmp")
+        tmp.write_text(json.dumps(self.record, indent=1, default=repr))
+        os.replace(tmp, self.path / CONFIG)  # readers never see half a file
+
+    def _flush_history(self) -> None:
+        columns = self.history.snapshot()
+        n = len(columns.get("step", []))
+        names = list(columns)
+        with open(self.path / HISTORY, "a", newline="") as f:
+            out = csv.writer(f)
+            if self._flushed == 0:
+                out.writerow(names)
+            out.writerows(zip(*(columns[k][self._flushed : n] for k in names)))
+        self._flushed, self._last_flush = n, time.monotonic()
+
+    def _write_history(self, columns: dict) -> None:
+        names = list(columns)
+        tmp = self.path / (HISTORY + ".tmp")
+        with open(tmp, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(names or ["step", "wall_time", "examples_per_sec"])
+            out.writerows(zip(*(columns[k] for k in names)))
+        os.replace(tmp, self.path / HISTORY)
+
+
+def _new_folder(base: Path, run_id: str) -> Path:
+    """base/run_id, or base/run_id-<pid> when another process used the same id (same second)."""
+    base.mkdir(parents=True, exist_ok=True)
+    for name in (run_id, f"{run_id}-{os.getpid()}", f"{run_id}-{os.getpid()}-{time.monotonic_ns()}"):
+        try:
+            (base / name).mkdir()
+            return base / name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot make a folder for run {run_id} under {base}")
+
+
+def _write_tensorboard(path: Path, columns: dict) -> None:
+    """Scalars for every metric and examples/s, in one compiled call (eager writes cost ~0.7 ms each)."""
+    if not columns.get("step"):
+        return
+    import numpy as np
+
+    from workbench._src.tf_setup import tf
+
+    t = tf()
+    names = figure.metric_names(columns) + ["examples_per_sec"]
+    steps = np.asarray(columns["step"], dtype=np.int64)
+    values = np.stack([np.asarray(columns[n], dtype=np.float32) for n in names], axis=1)
+    finite = np.isfinite(values)
+    metadata = _scalar_metadata()
+
+    def write_all(steps, values, finite):
+        for i in t.range(t.shape(steps)[0]):
+            for j, name in enumerate(names):  # unrolled: one write op per metric
+                if finite[i, j]:
+                    t.summary.write(name, values[i, j], step=steps[i], metadata=metadata)
+
+    writer = t.summary.create_file_writer(str(path))
+    with t.device("/cpu:0"), writer.as_default():
+        t.function(write_all)(t.constant(steps), t.constant(values), t.constant(finite))
+    writer.flush()
+    writer.close()
+
+
+def _scalar_metadata() -> bytes:
+    """What tensorboard.summary.scalar attaches, so TensorBoard shows these as scalars.
+
+    Built by hand because the tensorboard package is optional (tf.summary.scalar needs it).
+    """
+    from tensorflow.core.framework import summary_pb2
+
+    metadata = summary_pb2.SummaryMetadata()
+    metadata.plugin_data.plugin_name = "scalars"
+    return metadata.SerializeToString()

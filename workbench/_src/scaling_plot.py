@@ -1,0 +1,137 @@
+"""The scaling figure (throughput, speed-up, efficiency vs replicas, each with its ideal line) and
+the live notebook sink that shows it growing a point per finished configuration.
+
+Drawn on matplotlib's Agg canvas directly (never pyplot): no window, no inline-backend side
+effects, safe without a frontend. The live sink updates one display handle in place
+(`display(..., display_id=True)` then `handle.update(...)`); it never clears other output.
+"""
+
+from __future__ import annotations
+
+import io
+
+DPI = 90
+
+
+def draw(study):
+    """Returns a matplotlib Figure of the study's points so far (planned x-range shown at once)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    table = study.table
+    planned = study.planned or [1]
+    fig = Figure(figsize=(13, 4.2), dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax_thr, ax_sp, ax_eff = fig.subplots(1, 3)
+    xs = sorted(set(planned) | set(study.reference))
+    for ax in (ax_thr, ax_sp, ax_eff):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)
+        ax.set_xlabel("replicas")
+        ax.grid(True, alpha=0.3)
+    base_n = min(planned)
+    ideal_x = [n for n in xs if n >= base_n]
+    if len(table):
+        base = table.iloc[0]
+        ideal_thr = [base["examples_per_sec"] * n / base["replicas"] for n in planned]
+        ax_thr.plot(planned, ideal_thr, "--", color="grey", label="ideal")
+        # p90 whisker: throughput if every step took the p90 time (slow tail).
+        low = table["global_batch"] / table["step_time_p90_s"]
+        ax_thr.vlines(table["replicas"], low, table["examples_per_sec"], color="C0", alpha=0.5)
+        ax_thr.plot(table["replicas"], table["examples_per_sec"], "o-", color="C0", label="measured")
+        ax_sp.plot(table["replicas"], table["speedup"], "o-", color="C0", label="measured")
+        ax_eff.plot(table["replicas"], table["efficiency"] * 100, "o-", color="C0", label="measured")
+    ax_sp.plot(ideal_x, [n / base_n for n in ideal_x], "--", color="grey", label="ideal")
+    ax_eff.axhline(100, ls="--", color="grey", label="ideal")
+    if study.reference:
+        ref_n = sorted(study.reference)
+        ref_sp = [study.reference[n] for n in ref_n]
+        ax_sp.plot(ref_n, ref_sp, "s:", color="C3", label=study.reference_label)
+        ax_eff.plot(
+            ref_n,
+            [s / (n / ref_n[0]) * 100 for s, n in zip(ref_sp, ref_n)],
+            "s:",
+            color="C3",
+            label=study.reference_label,
+        )
+    ax_thr.set(title="throughput (median step; whisker: p90)", ylabel="examples/s")
+    ax_sp.set(title=f"speed-up over {base_n} replica{'s' if base_n > 1 else ''}", ylabel="speed-up")
+    ax_eff.set(title="efficiency", ylabel="% of ideal", ylim=(0, 110))
+    ax_thr.set_xticks(planned, [str(x) for x in planned])
+    ax_thr.set_xlim(min(planned) / 1.3, max(planned) * 1.3)
+    ax_sp.set_yscale("log", base=2)  # ideal speed-up is then a straight diagonal
+    ax_sp.yaxis.set_major_formatter(_plain_formatter())
+    labels: dict = {}  # one legend for the three panels, without duplicates
+    for ax in (ax_thr, ax_sp, ax_eff):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    fig.legend(
+        labels.values(),
+        labels.keys(),
+        loc="upper center",
+        ncol=len(labels),
+        fontsize=9,
+        bbox_to_anchor=(0.5, 0.94),
+        frameon=False,
+    )
+    done = len(table)
+    fig.suptitle(f"{study.title}  ({done}/{len(planned)} configurations)", fontsize=11)
+    note = _note(table)
+    if note:
+        fig.text(0.5, 0.01, note, ha="center", va="bottom", fontsize=9, color="#a00000", wrap=True)
+    fig.tight_layout(rect=(0, 0.07 if note else 0, 1, 0.88))
+    return fig
+
+
+def _plain_formatter():
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda v, _: f"{v:g}")
+
+
+def _note(table) -> str:
+    if not len(table) or "shared_cores" not in table or not table["shared_cores"].any():
+        return ""
+    cores = int(table["physical_cores"].iloc[0])
+    most = int(table["replicas"].max())
+    return (
+        f"NOTE: replicas are virtual CPU devices sharing {cores} physical core(s) (up to {most} "
+        "replicas on them): this shows distribution overhead, not the speed-up of real devices."
+    )
+
+
+def png_bytes(study) -> bytes:
+    buf = io.BytesIO()
+    draw(study).savefig(buf, format="png", dpi=DPI)
+    return buf.getvalue()
+
+
+def live_sink(live: bool | None):
+    """A LiveScalingPlot when asked (live=True) or, by default, when running in a kernel."""
+    return LiveScalingPlot() if (live if live is not None else _in_kernel()) else None
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class LiveScalingPlot:
+    """A sink: `send(study)` after each configuration redraws one notebook output in place."""
+
+    def __init__(self):
+        self._handle = None
+
+    def send(self, study) -> None:
+        from IPython.display import Image, display
+
+        image = Image(data=png_bytes(study), format="png")
+        if self._handle is None:
+            self._handle = display(image, display_id=True)
+        else:
+            self._handle.update(image)
