@@ -57,6 +57,7 @@ def test_batchnorm_report_explains_compares_and_plots(bn_report, tmp_path):
     study = bn_report.compare_with_study()
     assert study.loc[("plain", "training_output"), "study"] == pytest.approx(1.46, abs=0.01)
     assert list(bn_report.per_step.columns) == ["plain", "synchronized", "cross-replica"]
+    assert "<table" in bn_report._repr_html_()
     bn_report.plot(tmp_path / "bn.png")
     assert (tmp_path / "bn.png").stat().st_size > 1000
 
@@ -67,7 +68,13 @@ def test_cross_replica_batchnorm_trains_like_one_device():
     def setup(repl):
         keras.utils.set_random_seed(3)
         model = keras.Sequential(
-            [keras.Input((8,)), keras.layers.Dense(16), wb.CrossReplicaBatchNorm(), keras.layers.ReLU(), keras.layers.Dense(1)]
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16),
+                wb.CrossReplicaBatchNorm(),
+                keras.layers.ReLU(),
+                keras.layers.Dense(1),
+            ]
         )
         opt = repl.wrap_optimizer(keras.optimizers.SGD(0.1))
 
@@ -123,7 +130,9 @@ def sgd_setup(repl):
 
 def test_compare_numerics_reports_zero_for_a_correct_sgd_step(tmp_path):
     x = np.random.default_rng(0).normal(size=(256, 8)).astype("float32")
-    table = wb.compare_numerics(sgd_setup, data=x, global_batch_size=64, replicas=4, steps=3, plot=tmp_path / "d.png")
+    table = wb.compare_numerics(
+        sgd_setup, data=x, global_batch_size=64, replicas=4, steps=3, plot=tmp_path / "d.png"
+    )
     assert table.max_abs_diff.max() < 1e-6
     last = table[table.step == 3].set_index("name")
     assert last.loc["out", "how"] == "concatenated" and len(last.loc["out", "per_replica_max_abs_diff"]) == 4
@@ -231,17 +240,27 @@ def test_errors_for_bad_arguments():
     x = np.zeros((64, 8), "float32")
     with pytest.raises(wb.ConfigurationError, match=r"setup must be a function setup\(repl\).*received int"):
         wb.compare_numerics(3, data=x, global_batch_size=32)
-    with pytest.raises(wb.ConfigurationError, match=r"replicas must be an integer >= 1; received replicas=0\. Example"):
+    with pytest.raises(
+        wb.ConfigurationError, match=r"replicas must be an integer >= 1; received replicas=0\. Example"
+    ):
         wb.compare_numerics(sgd_setup, data=x, global_batch_size=32, replicas=0)
     with pytest.raises(wb.ConfigurationError, match=r"global_batch_size=None.*Example"):
         wb.compare_numerics(sgd_setup, data=x)
-    with pytest.raises(wb.ConfigurationError, match=r"reduce\['loss'\] must be 'mean' or 'sum'; received 'max'"):
+    with pytest.raises(
+        wb.ConfigurationError, match=r"reduce\['loss'\] must be 'mean' or 'sum'; received 'max'"
+    ):
         wb.compare_numerics(sgd_setup, data=x, global_batch_size=32, reduce={"loss": "max"})
+    with pytest.raises(wb.InputError, match=r"does not divide across 4 replicas: received .*\(30, 8\)\. Fix"):
+        wb.compare_numerics(sgd_setup, data=x, global_batch_size=30, replicas=4)
     with pytest.raises(wb.StepFunctionError, match=r"setup must return step_fn .*returned builtins.int.*Fix"):
         wb.compare_numerics(lambda repl: 3, data=x, global_batch_size=32)
-    with pytest.raises(wb.ConfigurationError, match=r"compares one device with several replicas.*Fix: replicas=2"):
+    with pytest.raises(
+        wb.ConfigurationError, match=r"compares one device with several replicas.*Fix: replicas=2"
+    ):
         wb.check_loss_scaling(sgd_setup, xy_input, replicas=1)
-    with pytest.raises(wb.ConfigurationError, match=r"axis=\.\.\.\) takes one integer axis.*received axis='x'"):
+    with pytest.raises(
+        wb.ConfigurationError, match=r"axis=\.\.\.\) takes one integer axis.*received axis='x'"
+    ):
         wb.CrossReplicaBatchNorm(axis="x")
     with pytest.raises(wb.ConfigurationError, match=r"momentum=1.5"):
         wb.CrossReplicaBatchNorm(momentum=1.5)
@@ -255,7 +274,9 @@ def test_error_when_setup_builds_no_variables():
     def setup(repl):
         return lambda x: {"y": model(x)}
 
-    with pytest.raises(wb.ConfigurationError, match=r"setup created no variables.*Fix: build the model inside setup"):
+    with pytest.raises(
+        wb.ConfigurationError, match=r"setup created no variables.*Fix: build the model inside setup"
+    ):
         wb.compare_numerics(setup, data=np.zeros((64, 8), "float32"), global_batch_size=32)
 
 

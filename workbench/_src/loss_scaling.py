@@ -28,7 +28,6 @@ from workbench._src.twin import (
     fingerprinted,
     make_replicator,
     tf_variable,
-    without_autotune,
 )
 
 MISTAKES = {
@@ -122,7 +121,6 @@ def check_loss_scaling(
             f"check_loss_scaling compares one device with several replicas; received a replicator "
             f"with {n} replica. Fix: replicas=2 or more (e.g. replicas=4)."
         )
-    input_fn = without_autotune(input_fn)
     ref, dist = (
         Side(NonReplicator(), setup, "check_loss_scaling(setup)"),
         Side(dist_repl, setup, "check_loss_scaling(setup)"),

@@ -31,7 +31,6 @@ from workbench._src.twin import (
     fingerprinted,
     make_replicator,
     variable_names,
-    without_autotune,
 )
 
 
@@ -213,7 +212,6 @@ def compare_numerics(
             "compare_numerics takes input_fn or data=..., not both; received both. Fix: drop "
             "data=... (input_fn is used), or drop input_fn to feed the array in global batches."
         )
-    input_fn = without_autotune(input_fn)
     dist_repl = make_replicator(replicas, backend)
     from workbench._src.backends.single import NonReplicator
 

@@ -5,6 +5,16 @@ thing: call the user's `setup(repl)` once per replicator (inside `repl.context()
 variables that call created (the replicator records them), copy the one-device values into the
 replicated copy, run a step on each, and read every replica's copy of a variable back. `Side` is
 one such build; the helpers check that both builds match and saw the same data.
+
+A Side runs steps itself (`Stepper`) rather than through `repl.run`, with the same
+`strategy.run` and the same argument handling, but a simpler input path: each global batch is
+read eagerly from input_fn's dataset (tf.data autotuning off) and cut into equal consecutive
+slices along axis 0, one per replica, which is what PER_WORKER input does. The reason: with
+TensorFlow 2.21, deleting a distributed iterator (its per-device prefetch pipelines are
+autotuned, whatever the dataset's options) waits for tf.data's tuning thread to wake, measured
+here at 2-40 s per iterator with the GIL held, so the kernel stalled whenever the garbage
+collector reached a finished comparison. A plain iterator with autotuning off is deleted at once.
+Replicators with PER_REPLICA input or an input_split_fn still use `distribute_input`.
 """
 
 from __future__ import annotations
@@ -15,8 +25,16 @@ from typing import Any
 
 import numpy as np
 
-from workbench._src.errors import ConfigurationError, InputError
-from workbench._src.inputs import _takes_an_argument, call_input_fn
+from workbench._src.errors import ConfigurationError, InputError, WorkbenchError
+from workbench._src.inputs import (
+    InputContext,
+    InputReplication,
+    _takes_an_argument,
+    call_input_fn,
+    distribute_input,
+)
+from workbench._src.optimizer import OptimizerNeedsBuild
+from workbench._src.program import _arguments_for, _original_error, _validated_outputs
 from workbench._src.tf_setup import tf
 
 # setup(repl) runs inside repl.context(): it builds the model (and optimizer) and returns either
@@ -37,6 +55,7 @@ class Side:
                 "opt = repl.wrap_optimizer(keras.optimizers.SGD(0.1)); ...; return step_fn`."
             )
         self.repl = repl
+        self._steppers: dict = {}
         self._start = len(repl._created_variables)  # the replicator may hold earlier variables
         with repl.context():
             self.product = setup(repl) if _takes_an_argument(setup) else setup()
@@ -66,26 +85,98 @@ class Side:
             v.assign(value)
 
     def run(self, step_fn: Callable, input_fn: Callable) -> list:
-        """One step; the per-replica outputs as numpy values."""
-        outputs = self.repl.run(step_fn, input_fn)
-        return [tf().nest.map_structure(np.asarray, o) for o in outputs]
+        """One step (the next batch of input_fn); the per-replica outputs as numpy values."""
+        key = (step_fn, input_fn)
+        if key not in self._steppers:
+            self._steppers[key] = Stepper(self.repl, step_fn, input_fn)
+        return [tf().nest.map_structure(np.asarray, o) for o in self._steppers[key]()]
 
 
-def without_autotune(input_fn: Callable) -> Callable:
-    """input_fn whose dataset has tf.data autotuning off.
+class Stepper:
+    """step_fn on input_fn's batches under one replicator, one step per call (see the module doc)."""
 
-    Each autotuned iterator runs a tuning thread, and deleting the iterator waits for that thread
-    to wake, which here often took 20-300 s (with the GIL held: the whole kernel stalls). The
-    comparisons build and drop several short-lived pipelines, where tuning buys nothing.
-    """
-
-    def quiet_input_fn(ctx):
+    def __init__(self, repl, step_fn: Callable, input_fn: Callable):
         t = tf()
-        options = t.data.Options()
-        options.autotune.enabled = False
-        return call_input_fn(input_fn, ctx).with_options(options)
+        self.repl, self.step_fn, self.steps = repl, step_fn, 0
+        n = repl.num_replicas
+        self.split = repl.input_replication is InputReplication.PER_WORKER and repl.input_split_fn is None
+        if self.split and repl.num_workers == 1:
+            options = t.data.Options()
+            options.autotune.enabled = False  # no tuning thread to wait for on deletion
+            dataset = call_input_fn(input_fn, InputContext(None, n, 0, 1, n))
+            self.iterator = iter(dataset.with_options(options))
+        else:
+            self.split = False
+            self.iterator = iter(
+                distribute_input(
+                    repl.strategy,
+                    input_fn,
+                    repl.input_replication,
+                    repl.input_split_fn,
+                    num_workers=repl.num_workers,
+                    worker_id=repl.worker_id,
+                )
+            )
+        self.compiled = t.function(self._replicated)
 
-    return quiet_input_fn
+    def _next_batch(self):
+        batch = next(self.iterator)
+        if not self.split:
+            return batch
+        t, n = tf(), self.repl.num_replicas
+
+        def check(v):
+            v = t.convert_to_tensor(v)
+            if v.shape.rank == 0 or v.shape[0] % n:
+                raise InputError(
+                    f"A global batch from input_fn does not divide across {n} replicas: received "
+                    f"a part of shape {v.shape}. Fix: use a global batch that is a multiple of {n} "
+                    "(batch with drop_remainder=True, or repeat() before batch())."
+                )
+            return v
+
+        batch = t.nest.map_structure(check, batch)
+
+        def replica_slice(ctx):
+            r = ctx.replica_id_in_sync_group
+            return t.nest.map_structure(
+                lambda v: v[r * (v.shape[0] // n) : (r + 1) * (v.shape[0] // n)], batch
+            )
+
+        return self.repl.strategy.experimental_distribute_values_from_function(replica_slice)
+
+    def _call_step_fn(self, batch):
+        # the same argument unpacking and output checks as repl.run
+        outputs = self.step_fn(*_arguments_for(self.step_fn, batch))
+        return _validated_outputs(outputs, getattr(self.step_fn, "__name__", "step_fn"))
+
+    def _replicated(self, batch):
+        return self.repl.strategy.run(self._call_step_fn, args=(batch,))
+
+    def __call__(self) -> list:
+        try:
+            batch = self._next_batch()  # eagerly, on purpose (see the module doc)
+        except StopIteration:
+            raise InputError(
+                f"input_fn's dataset ran out after {self.steps} step(s). Fix: add `.repeat()` "
+                "to the dataset, or ask for fewer steps."
+            ) from None
+        for _ in range(100):  # a wrapped optimizer without slots asks to be built, then retrace
+            try:
+                outputs = self.compiled(batch)
+                break
+            except Exception as error:  # noqa: BLE001 - re-raised below unless it is ours
+                original = _original_error(error)
+                if isinstance(original, OptimizerNeedsBuild):
+                    original.optimizer.build(original.variables)
+                    continue
+                if isinstance(original, WorkbenchError) and original is not error:
+                    raise original from None
+                raise
+        else:
+            raise RuntimeError("wrapped optimizers kept asking to be built")
+        self.steps += 1
+        return list(self.repl.strategy.experimental_local_results(outputs))
 
 
 def variable_names(side: Side) -> list[str]:
