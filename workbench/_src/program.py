@@ -89,25 +89,11 @@ class Program:
         return rows.stack(), done
 
     # ----- host side ----------------------------------------------------------------------
-    def _call(self, function, *args):
-        """Calls a compiled function; builds wrapped optimizers that tracing found unbuilt."""
-        for _ in range(100):  # one retrace per optimizer, at most
-            try:
-                return function(*args)
-            except Exception as error:  # noqa: BLE001 - re-raised below unless it is ours
-                original = _original_error(error)
-                if isinstance(original, OptimizerNeedsBuild):
-                    original.optimizer.build(original.variables)
-                    continue
-                if isinstance(original, WorkbenchError) and original is not error:
-                    raise original from None  # our own message, not autograph's re-wrapping
-                raise
-        raise RuntimeError("wrapped optimizers kept asking to be built")
 
     def run_one(self) -> list:
         t = tf()
         try:
-            out = self._call(self._one_step, self.iterator)
+            out = call_compiled(self._one_step, self.iterator)
         except t.errors.OutOfRangeError:
             raise InputError(
                 f"input_fn's dataset ran out after {self.steps_done} step(s). Fix: add "
@@ -122,12 +108,28 @@ class Program:
         """Runs up to n steps; returns (rows [steps, metrics + batch size] summed over replicas, steps)."""
         t = tf()
         try:
-            rows, done = self._call(self._fused, self.iterator, t.constant(n))
+            rows, done = call_compiled(self._fused, self.iterator, t.constant(n))
         except t.errors.InvalidArgumentError as e:
             raise _translated(e) from None
         done = int(done)
         self.steps_done += done
         return rows.numpy()[:done], done
+
+
+def call_compiled(function, *args):
+    """Calls a compiled step; builds wrapped optimizers that tracing found unbuilt, then retraces."""
+    for _ in range(100):  # one retrace per optimizer, at most
+        try:
+            return function(*args)
+        except Exception as error:  # noqa: BLE001 - re-raised below unless it is ours
+            original = _original_error(error)
+            if isinstance(original, OptimizerNeedsBuild):
+                original.optimizer.build(original.variables)
+                continue
+            if isinstance(original, WorkbenchError) and original is not error:
+                raise original from None  # our own message, not autograph's re-wrapping
+            raise
+    raise RuntimeError("wrapped optimizers kept asking to be built")
 
 
 def _original_error(error: BaseException) -> BaseException:

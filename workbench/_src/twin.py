@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench._src.errors import ConfigurationError, InputError, WorkbenchError
+from workbench._src.errors import ConfigurationError, InputError
 from workbench._src.inputs import (
     InputContext,
     InputReplication,
@@ -33,8 +33,7 @@ from workbench._src.inputs import (
     call_input_fn,
     distribute_input,
 )
-from workbench._src.optimizer import OptimizerNeedsBuild
-from workbench._src.program import _arguments_for, _original_error, _validated_outputs
+from workbench._src.program import _arguments_for, _validated_outputs, call_compiled
 from workbench._src.tf_setup import tf
 
 # setup(repl) runs inside repl.context(): it builds the model (and optimizer) and returns either
@@ -161,20 +160,7 @@ class Stepper:
                 f"input_fn's dataset ran out after {self.steps} step(s). Fix: add `.repeat()` "
                 "to the dataset, or ask for fewer steps."
             ) from None
-        for _ in range(100):  # a wrapped optimizer without slots asks to be built, then retrace
-            try:
-                outputs = self.compiled(batch)
-                break
-            except Exception as error:  # noqa: BLE001 - re-raised below unless it is ours
-                original = _original_error(error)
-                if isinstance(original, OptimizerNeedsBuild):
-                    original.optimizer.build(original.variables)
-                    continue
-                if isinstance(original, WorkbenchError) and original is not error:
-                    raise original from None
-                raise
-        else:
-            raise RuntimeError("wrapped optimizers kept asking to be built")
+        outputs = call_compiled(self.compiled, batch)
         self.steps += 1
         return list(self.repl.strategy.experimental_local_results(outputs))
 
