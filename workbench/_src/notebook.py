@@ -23,13 +23,14 @@ def load_ipython_extension(ipython) -> None:
 
     Call `wb.configure_devices(cpus=N)` before `%load_ext workbench` for a count other than 8.
     """
-    from workbench._src import runstore
+    from workbench._src import labcomm, runstore
     from workbench._src.magics import ReplicateMagics
     from workbench._src.tf_setup import DEFAULT_VIRTUAL_CPUS, configure_devices
 
     ipython.register_magics(ReplicateMagics)
     runstore.install()
     devices = configure_devices()
+    labcomm.register(ipython)  # the JupyterLab sidebar's kernel side (a comm target; no-op outside a kernel)
     if not devices["gpus"] and not devices["tpus"] and devices["virtual_cpus"] < 2:
         # TensorFlow started before the extension could split the CPU: say so now, not at the
         # first mirrored run.

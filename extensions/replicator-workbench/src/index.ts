@@ -1,0 +1,235 @@
+/**
+ * Replicator Workbench for JupyterLab: wiring only. The sidebar (sidebar.ts), the status bar
+ * item (statusbar.ts) and the four commands follow the active notebook's kernel through its
+ * KernelLink (link.ts); what to show and what Stop does are pure functions in model.ts.
+ */
+
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ICommandPalette, MainAreaWidget, Notification } from '@jupyterlab/apputils';
+import { DocumentRegistry } from '@jupyterlab/docregistry';
+import { INotebookModel, INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
+import { Kernel } from '@jupyterlab/services';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { addIcon, CommandToolbarButton, imageIcon, LabIcon, stopIcon } from '@jupyterlab/ui-components';
+import { JSONObject } from '@lumino/coreutils';
+import { DisposableDelegate, IDisposable } from '@lumino/disposable';
+import { Widget } from '@lumino/widgets';
+
+import { KernelLink } from './link';
+import { lastEndedRun, runningRun, statusBarText, stopAction } from './model';
+import { ReplicatorSidebar } from './sidebar';
+import { ReplicatorStatus } from './statusbar';
+import { templateCell } from './templates';
+
+/** Command ids, in the 'workbench:verb-noun' namespace. */
+export const CommandIds = {
+  insertTemplate: 'workbench:insert-template',
+  openSidebar: 'workbench:open-sidebar',
+  stopRun: 'workbench:stop-run',
+  openFigure: 'workbench:open-figure'
+} as const;
+
+const SIDEBAR_ID = 'replicator-workbench-sidebar';
+const CATEGORY = 'Replicator Workbench';
+
+/** Four devices side by side: the replicas. */
+const replicasIcon = new LabIcon({
+  name: 'replicator-workbench:replicas',
+  svgstr:
+    '<svg xmlns="http://www.w3.org/2000/svg" width="16" viewBox="0 0 24 24">' +
+    '<g class="jp-icon3" fill="#616161">' +
+    '<rect x="2" y="4" width="9" height="7" rx="1"/><rect x="13" y="4" width="9" height="7" rx="1"/>' +
+    '<rect x="2" y="13" width="9" height="7" rx="1"/><rect x="13" y="13" width="9" height="7" rx="1"/>' +
+    '</g></svg>'
+});
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'replicator-workbench:plugin',
+  description: 'Replicator sidebar, status bar item and commands for the Replicator Workbench.',
+  autoStart: true,
+  requires: [INotebookTracker],
+  optional: [ICommandPalette, IStatusBar],
+  activate
+};
+
+function activate(
+  app: JupyterFrontEnd,
+  tracker: INotebookTracker,
+  palette: ICommandPalette | null,
+  statusBar: IStatusBar | null
+): void {
+  const links = new Map<Kernel.IKernelConnection, KernelLink>();
+  let current: KernelLink | null = null;
+  let enabledKey = '';
+
+  const sidebar = new ReplicatorSidebar({
+    stop: runId => void stopRun(runId),
+    openFigure: runId => requestFigure(runId),
+    insertTemplate: () => void app.commands.execute(CommandIds.insertTemplate)
+  });
+  sidebar.id = SIDEBAR_ID;
+  sidebar.title.icon = replicasIcon;
+  sidebar.title.caption = 'Replicator: devices, replicator, runs';
+  app.shell.add(sidebar, 'right', { rank: 700 });
+
+  const status = new ReplicatorStatus(() => void app.commands.execute(CommandIds.openSidebar));
+  statusBar?.registerStatusItem('replicator-workbench:status', {
+    item: status,
+    align: 'left',
+    rank: 5,
+    isActive: () => true
+  });
+
+  function linkFor(kernel: Kernel.IKernelConnection): KernelLink {
+    let link = links.get(kernel);
+    if (!link) {
+      const made = new KernelLink(kernel);
+      made.changed.connect(() => made === current && refresh());
+      made.replies.connect((_, reply) => onReply(reply));
+      kernel.disposed.connect(() => {
+        links.delete(kernel);
+        made.dispose();
+      });
+      links.set(kernel, made);
+      link = made;
+    }
+    return link;
+  }
+
+  /** Follows the active notebook's kernel. */
+  function follow(): void {
+    const kernel = tracker.currentWidget?.sessionContext.session?.kernel ?? null;
+    current = kernel && !kernel.isDisposed ? linkFor(kernel) : null;
+    refresh();
+  }
+
+  function refresh(): void {
+    const state = current?.state ?? 'no-kernel';
+    const snapshot = current?.snapshot ?? null;
+    sidebar.render(state, snapshot, tracker.currentWidget?.title.label ?? '');
+    status.setText(statusBarText(state, snapshot), runningRun(snapshot) !== null);
+    // Toolbar buttons and the palette grey out Stop / Figure; tell them only when that changes.
+    const key = `${stopAction(snapshot).kind}|${lastEndedRun(snapshot)?.id ?? ''}|${tracker.currentWidget?.id}`;
+    if (key !== enabledKey) {
+      enabledKey = key;
+      app.commands.notifyCommandChanged();
+    }
+  }
+
+  tracker.widgetAdded.connect((_, panel) => {
+    panel.sessionContext.kernelChanged.connect(() => panel === tracker.currentWidget && follow());
+  });
+  tracker.currentChanged.connect(follow);
+
+  async function stopRun(runId?: string): Promise<void> {
+    const link = current;
+    const action = stopAction(link?.snapshot ?? null, runId);
+    if (!link || action.kind === 'none') {
+      Notification.info('No run is training in this notebook\u2019s kernel.', { autoClose: 4000 });
+    } else if (action.kind === 'interrupt') {
+      // A foreground run holds the kernel's shell, so a comm message would wait for its end;
+      // the run loop turns the interrupt into a clean stop at the next step boundary.
+      await link.kernel.interrupt();
+    } else {
+      link.send({ type: 'stop', run_id: action.run?.id ?? null });
+    }
+  }
+
+  function requestFigure(runId?: string): void {
+    const target = runId ?? lastEndedRun(current?.snapshot ?? null)?.id ?? null;
+    if (!current || !current.send({ type: 'figure', run_id: target })) {
+      Notification.warning('The workbench is not loaded in this notebook\u2019s kernel: run %load_ext workbench.', {
+        autoClose: 5000
+      });
+    }
+  }
+
+  const figures = new Map<string, MainAreaWidget>();
+  function onReply(reply: JSONObject): void {
+    if (reply.type === 'error') {
+      Notification.warning(String(reply.text), { autoClose: 6000 });
+    } else if (reply.type === 'figure') {
+      const runId = String(reply.run_id);
+      let widget = figures.get(runId);
+      if (!widget || widget.isDisposed) {
+        const content = new Widget();
+        content.addClass('wb-figure-view');
+        const img = document.createElement('img');
+        img.src = `data:image/png;base64,${String(reply.png)}`;
+        img.alt = `${String(reply.name)}: dashboard figure`;
+        content.node.append(img);
+        widget = new MainAreaWidget({ content });
+        widget.id = `wb-figure-${runId}`;
+        widget.title.label = `${String(reply.name)} dashboard`;
+        widget.title.icon = imageIcon;
+        widget.title.closable = true;
+        figures.set(runId, widget);
+        app.shell.add(widget, 'main'); // a tab beside the notebook
+      }
+      app.shell.activateById(widget.id);
+    }
+  }
+
+  app.commands.addCommand(CommandIds.insertTemplate, {
+    label: 'Insert input_fn/step_fn Template Cell',
+    caption: 'Insert a %%replicate cell defining input_fn and step_fn below the active cell',
+    icon: addIcon,
+    isEnabled: () => tracker.currentWidget !== null,
+    execute: () => {
+      const panel = tracker.currentWidget;
+      if (!panel) {
+        return;
+      }
+      NotebookActions.insertBelow(panel.content);
+      panel.content.activeCell?.model.sharedModel.setSource(templateCell(current?.snapshot ?? null));
+    }
+  });
+  app.commands.addCommand(CommandIds.openSidebar, {
+    label: 'Open the Replicator Sidebar',
+    caption: 'Devices, the session replicator and the runs of this notebook\u2019s kernel',
+    icon: replicasIcon,
+    execute: () => app.shell.activateById(SIDEBAR_ID)
+  });
+  app.commands.addCommand(CommandIds.stopRun, {
+    label: 'Stop the Running Run',
+    caption: 'Stop the training run at the next step boundary',
+    icon: stopIcon,
+    isEnabled: () => stopAction(current?.snapshot ?? null).kind !== 'none',
+    execute: () => stopRun()
+  });
+  app.commands.addCommand(CommandIds.openFigure, {
+    label: 'Open the Last Run\u2019s Dashboard Figure',
+    caption: 'Show the dashboard figure of the last run that ended',
+    icon: imageIcon,
+    isEnabled: () => lastEndedRun(current?.snapshot ?? null) !== null,
+    execute: () => requestFigure()
+  });
+  for (const command of Object.values(CommandIds)) {
+    palette?.addItem({ command, category: CATEGORY });
+  }
+  app.docRegistry.addWidgetExtension('Notebook', new ToolbarButtons(app));
+  follow();
+}
+
+/** The notebook toolbar's buttons (command, class name for styling and tests). */
+const TOOLBAR: [string, string][] = [
+  [CommandIds.insertTemplate, 'wb-toolbar-insert'],
+  [CommandIds.stopRun, 'wb-toolbar-stop'],
+  [CommandIds.openSidebar, 'wb-toolbar-sidebar']
+];
+
+class ToolbarButtons implements DocumentRegistry.IWidgetExtension<NotebookPanel, INotebookModel> {
+  constructor(private readonly app: JupyterFrontEnd) {}
+
+  createNew(panel: NotebookPanel): IDisposable {
+    const buttons = TOOLBAR.map(([id, className], i) => {
+      const button = new CommandToolbarButton({ commands: this.app.commands, id, label: '' });
+      button.addClass(className);
+      panel.toolbar.insertItem(10 + i, className, button);
+      return button;
+    });
+    return new DisposableDelegate(() => buttons.forEach(b => b.dispose()));
+  }
+}
+
+export default plugin;

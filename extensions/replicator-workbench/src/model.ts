@@ -1,0 +1,236 @@
+/**
+ * The extension's logic without JupyterLab: the kernel's messages, what to show, what Stop does.
+ *
+ * The kernel side is workbench/_src/labcomm.py; its docstring defines the protocol. Everything
+ * here is a pure function of a snapshot, so it is unit-tested under node (test/model.test.ts).
+ */
+
+/** The comm target that `%load_ext workbench` registers in the kernel. */
+export const COMM_TARGET = 'workbench.lab';
+
+/** The protocol version this frontend speaks (labcomm.PROTOCOL). */
+export const PROTOCOL = 1;
+
+/** What the user runs to connect a kernel to the sidebar. */
+export const LOAD_LINE = '%load_ext workbench';
+
+export interface IDevices {
+  gpus: string[];
+  tpus: string[];
+  cpus: string[];
+  virtual_cpus: number;
+  physical_cores: number | null;
+}
+
+export interface IReplicatorInfo {
+  backend: string;
+  num_replicas?: number | null;
+  num_workers?: number | null;
+  num_ps?: number | null;
+}
+
+export interface IRunInfo {
+  id: string;
+  name: string;
+  backend: string | null;
+  num_replicas: number | null;
+  num_workers: number | null;
+  status: string;
+  reason: string | null;
+  foreground: boolean;
+  stop_requested: boolean;
+  first_step: number | null;
+  step: number;
+  target_step: number | null;
+  loss: number | null;
+  metrics: { [name: string]: number | null };
+  examples_per_sec: number | null;
+  steps_per_sec: number | null;
+  started: number | null;
+  ended: number | null;
+}
+
+export interface ISnapshot {
+  type: 'snapshot';
+  protocol: number;
+  devices: IDevices | null;
+  replicator: IReplicatorInfo | null;
+  runs: IRunInfo[];
+}
+
+/**
+ * Where the active notebook's kernel stands:
+ * no-kernel (none, or no notebook), connecting (asked, no answer yet: the kernel may be busy),
+ * absent (answered: the workbench is not loaded), ready (snapshots arrive).
+ */
+export type LinkState = 'no-kernel' | 'connecting' | 'absent' | 'ready';
+
+/** What Stop does: interrupt the kernel (a foreground run holds the shell), or ask over the comm. */
+export interface IStopAction {
+  kind: 'interrupt' | 'message' | 'none';
+  run: IRunInfo | null;
+}
+
+/** A snapshot message from the kernel, or null when `data` is something else. */
+export function parseSnapshot(data: unknown): ISnapshot | null {
+  if (typeof data !== 'object' || data === null) {
+    return null;
+  }
+  const message = data as { [key: string]: unknown };
+  if (message.type !== 'snapshot' || !Array.isArray(message.runs)) {
+    return null;
+  }
+  return {
+    type: 'snapshot',
+    protocol: typeof message.protocol === 'number' ? message.protocol : 0,
+    devices: (message.devices as IDevices | null) ?? null,
+    replicator: (message.replicator as IReplicatorInfo | null) ?? null,
+    runs: message.runs as IRunInfo[]
+  };
+}
+
+export function isRunning(run: IRunInfo): boolean {
+  return run.status === 'running' || run.status === 'created';
+}
+
+/** The newest running run (snapshots list runs newest first), or null. */
+export function runningRun(snapshot: ISnapshot | null): IRunInfo | null {
+  if (!snapshot) {
+    return null;
+  }
+  return snapshot.runs.find(isRunning) ?? null;
+}
+
+/** How to stop `run` (default: the newest running run). */
+export function stopAction(snapshot: ISnapshot | null, runId?: string): IStopAction {
+  const run = runId
+    ? snapshot?.runs.find(r => r.id === runId && isRunning(r)) ?? null
+    : runningRun(snapshot);
+  if (!run) {
+    return { kind: 'none', run: null };
+  }
+  return { kind: run.foreground ? 'interrupt' : 'message', run };
+}
+
+/** The newest ended run: the one "open the last run's dashboard figure" shows. */
+export function lastEndedRun(snapshot: ISnapshot | null): IRunInfo | null {
+  if (!snapshot) {
+    return null;
+  }
+  return snapshot.runs.find(r => !isRunning(r)) ?? null;
+}
+
+/** 1234.5 -> "1,235"; 12.345 -> "12.3"; 0.01234 -> "0.0123"; null -> "–". */
+export function formatNumber(value: number | null | undefined): string {
+  if (value === null || value === undefined || !Number.isFinite(value)) {
+    return '\u2013';
+  }
+  const size = Math.abs(value);
+  if (size >= 100) {
+    return Math.round(value).toLocaleString('en-US');
+  }
+  if (size >= 10) {
+    return value.toFixed(1);
+  }
+  if (size >= 0.01 || size === 0) {
+    return value.toFixed(size === 0 ? 0 : 3).replace(/\.?0+$/, '') || '0';
+  }
+  return value.toPrecision(3);
+}
+
+function plural(count: number, word: string): string {
+  return `${count} ${word}${count === 1 ? '' : 's'}`;
+}
+
+/** "mirrored · 2 replicas", "multi-worker · 4 replicas · 2 workers". */
+export function describeReplicas(
+  backend: string | null | undefined,
+  replicas: number | null | undefined,
+  workers?: number | null
+): string {
+  const parts = [backend ?? 'unknown backend'];
+  if (typeof replicas === 'number') {
+    parts.push(plural(replicas, 'replica'));
+  }
+  if (typeof workers === 'number') {
+    parts.push(plural(workers, 'worker'));
+  }
+  return parts.join(' \u00b7 ');
+}
+
+/** "8 CPU devices (virtual) · 2 cores" or "4 GPUs". */
+export function describeDevices(devices: IDevices | null): string {
+  if (!devices) {
+    return 'unknown';
+  }
+  const parts: string[] = [];
+  if (devices.tpus.length) {
+    parts.push(plural(devices.tpus.length, 'TPU'));
+  }
+  if (devices.gpus.length) {
+    parts.push(plural(devices.gpus.length, 'GPU'));
+  }
+  if (!devices.gpus.length && !devices.tpus.length) {
+    const virtual = devices.cpus.length > 1 ? ' (virtual)' : '';
+    parts.push(`${plural(devices.cpus.length, 'CPU device')}${virtual}`);
+  }
+  if (devices.physical_cores) {
+    parts.push(plural(devices.physical_cores, 'core'));
+  }
+  return parts.join(' \u00b7 ');
+}
+
+/** "step 1,200 / 5,000" (or "step 1,200" for an open-ended run). */
+export function describeProgress(run: IRunInfo): string {
+  const step = `step ${run.step.toLocaleString('en-US')}`;
+  return run.target_step ? `${step} / ${run.target_step.toLocaleString('en-US')}` : step;
+}
+
+/** 0..1, or null when the run has no target. */
+export function progressFraction(run: IRunInfo): number | null {
+  if (!run.target_step) {
+    return null;
+  }
+  const first = (run.first_step ?? 1) - 1;
+  const total = run.target_step - first;
+  return total > 0 ? Math.min(1, Math.max(0, (run.step - first) / total)) : null;
+}
+
+/** A run's status as shown: "running", "stopping…", "stopped", ... */
+export function describeStatus(run: IRunInfo): string {
+  if (isRunning(run) && run.stop_requested) {
+    return 'stopping\u2026';
+  }
+  return run.status;
+}
+
+/**
+ * The status bar's text: backend · replicas · steps/s of the running run; the session's
+ * replicator when nothing runs; '' when there is nothing to say (the item hides).
+ */
+export function statusBarText(state: LinkState, snapshot: ISnapshot | null): string {
+  if (state !== 'ready' || !snapshot) {
+    return '';
+  }
+  const run = runningRun(snapshot);
+  if (run) {
+    const rate = run.steps_per_sec === null ? 'compiling' : `${formatNumber(run.steps_per_sec)} steps/s`;
+    return `${describeReplicas(run.backend, run.num_replicas, run.num_workers)} \u00b7 ${rate}`;
+  }
+  const repl = snapshot.replicator;
+  return repl ? describeReplicas(repl.backend, repl.num_replicas, repl.num_workers) : '';
+}
+
+/** The sidebar's one-line explanation for states other than 'ready'. */
+export function stateHint(state: LinkState): string {
+  switch (state) {
+    case 'no-kernel':
+      return 'Open a notebook with a running Python kernel to see its replicator and runs.';
+    case 'connecting':
+      return 'Waiting for the kernel to answer (it answers when the cell it is running ends)\u2026';
+    case 'absent':
+      return `The workbench is not loaded in this notebook's kernel. Run ${LOAD_LINE} in a cell to connect this sidebar.`;
+    case 'ready':
+      return '';
+  }
+}

@@ -1,0 +1,389 @@
+"""The JupyterLab extension: its TypeScript unit tests, its installation, and a real browser.
+
+The browser test starts JupyterLab on 127.0.0.1 with a token, drives it with headless Chromium
+(Debian's `chromium`, through Playwright without a downloaded browser), runs a background
+`%%replicate` cell, reads the sidebar and the status bar while it trains, clicks Stop, then stops
+a foreground run with the toolbar's Stop (a kernel interrupt) and inserts the template cell.
+Screenshots go to build/lab-extension/. Every process it starts is ended in `finally`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+from notebook_toy import TOY_CELL
+
+from workbench._src.labcomm import TARGET
+
+ROOT = Path(__file__).resolve().parent.parent
+EXTENSION = ROOT / "extensions" / "replicator-workbench"
+SCREENSHOTS = ROOT / "build" / "lab-extension"
+CHROMIUM = os.environ.get("WORKBENCH_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+WAIT_MS = 90_000  # generous: CI machines have 2 shared cores
+
+
+def test_typescript_unit_tests_pass():
+    """`jlpm test`: the extension's pure logic (src/model.ts, src/templates.ts) under node --test."""
+    jlpm = shutil.which("jlpm")
+    assert jlpm, "jlpm (JupyterLab's yarn) is missing: pip install jupyterlab"
+    if not (EXTENSION / "node_modules").is_dir():  # `pip install` builds the extension and installs them
+        subprocess.run([jlpm, "install"], cwd=EXTENSION, check=True, timeout=600)
+    done = subprocess.run([jlpm, "test"], cwd=EXTENSION, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"^# fail 0$", done.stdout, re.M) and re.search(r"^# pass [1-9]", done.stdout, re.M)
+
+
+def test_pip_install_enabled_the_extension():
+    done = subprocess.run(
+        [sys.executable, "-m", "jupyter", "labextension", "list"], capture_output=True, text=True, timeout=120
+    )
+    listing = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)  # drop colour codes
+    assert re.search(r"replicator-workbench v\S+ enabled OK \(python, replicator-workbench\)", listing), (
+        listing
+    )
+
+
+class _Frontend:
+    """What JupyterLab's side of the comm does, over jupyter_client: open it, send, read replies."""
+
+    def __init__(self, kc, opened_by_kernel: bool = False):
+        # A comm the kernel opens gets its id from the comm_open message read().
+        self.kc, self.comm_id = kc, "" if opened_by_kernel else uuid.uuid4().hex
+
+    def open(self) -> None:
+        self._shell("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {"type": "hello"}})
+
+    def send(self, data: dict) -> None:
+        self._shell("comm_msg", {"comm_id": self.comm_id, "data": data})
+
+    def _shell(self, msg_type: str, content: dict) -> None:
+        self.kc.shell_channel.send(self.kc.session.msg(msg_type, content))
+
+    def read(self, until, timeout: float = 60) -> list[tuple[float, str, dict]]:
+        """This comm's messages (time, type, data) until `until(type, data)` holds (None: all
+        that arrive within `timeout`)."""
+        got, deadline = [], time.time() + timeout
+        while time.time() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(1.0, max(0.01, deadline - time.time())))
+            except queue.Empty:
+                continue
+            content = msg["content"]
+            if msg["msg_type"] == "comm_open" and content.get("target_name") == TARGET and not self.comm_id:
+                self.comm_id = content["comm_id"]  # the comm the kernel opened
+            if msg["msg_type"].startswith("comm_") and content.get("comm_id") == self.comm_id:
+                got.append((time.time(), msg["msg_type"], content.get("data") or {}))
+                if until is not None and until(msg["msg_type"], got[-1][2]):
+                    return got
+        if until is None:
+            return got
+        raise AssertionError(f"no such message within {timeout} s; received {[m[1:] for m in got][-3:]}")
+
+
+def _run0(data: dict) -> dict:
+    runs = data.get("runs") or [{}]
+    return runs[0]
+
+
+def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(tmp_path, monkeypatch):
+    """The comm protocol of workbench/_src/labcomm.py in a real kernel, as the sidebar uses it."""
+    from jupyter_client.manager import start_new_kernel
+
+    monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    try:
+        # No helper loaded: the kernel closes the comm (the sidebar then says how to load it).
+        early = _Frontend(kc)
+        early.open()
+        early.read(lambda kind, data: kind == "comm_close")
+        # %load_ext opens a comm from the kernel with a snapshot; choosing a replicator pushes one.
+        kc.execute("%load_ext workbench\n%replicate --backend mirrored --replicas 2")
+        pushed = _Frontend(kc, opened_by_kernel=True)
+        (opened,) = pushed.read(lambda kind, data: kind == "comm_open")
+        assert opened[2]["type"] == "snapshot" and opened[2]["devices"]["virtual_cpus"] == 8
+        pushed.read(lambda kind, data: (data.get("replicator") or {}).get("num_replicas") == 2)
+        # A sidebar connecting later gets the snapshot as the answer to its open.
+        sidebar = _Frontend(kc)
+        sidebar.open()
+        ((_, _, hello),) = sidebar.read(lambda kind, data: data.get("type") == "snapshot")
+        assert (hello["replicator"]["backend"], hello["replicator"]["num_replicas"]) == ("mirrored", 2)
+        assert hello["runs"] == []
+
+        # A background run: live snapshots, at most 4 a second however fast it trains.
+        kc.execute("%%replicate --steps 100000000 --background --no-live\n" + TOY_CELL)
+        sidebar.read(lambda kind, data: _run0(data).get("steps_per_sec"))
+        window = sidebar.read(None, timeout=4.0)
+        runs = [_run0(data) for _, _, data in window]
+        assert all(r["status"] == "running" and r["foreground"] is False for r in runs), runs[-1]
+        steps = [r["step"] for r in runs]
+        assert 4 <= len(runs) <= 4 * 4 + 1 and steps == sorted(steps) and steps[-1] > steps[0], steps
+        assert runs[-1]["steps_per_sec"] > 0 and runs[-1]["loss"] is not None
+        assert runs[-1]["target_step"] == 100000000 and runs[-1]["backend"] == "mirrored"
+
+        # Stop over the comm (the sidebar's Stop for a background run), then the run's figure.
+        run_id = runs[-1]["id"]
+        sidebar.send({"type": "stop", "run_id": run_id})
+        ((_, _, ended),) = sidebar.read(lambda kind, data: _run0(data).get("status") == "stopped")[-1:]
+        assert _run0(ended)["stop_requested"] and _run0(ended)["reason"].startswith("stopped at step")
+        sidebar.send({"type": "figure"})
+        ((_, _, figure),) = sidebar.read(lambda kind, data: data.get("type") == "figure")[-1:]
+        assert figure["run_id"] == run_id and base64.b64decode(figure["png"]).startswith(b"\x89PNG")
+        sidebar.send({"type": "stop"})  # nothing runs now: said so
+        sidebar.read(lambda kind, data: data.get("type") == "error" and "nothing to stop" in data["text"])
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _require_browser():
+    """The browser test needs Chromium and Playwright; missing ones fail it, saying how to install."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(
+            f"The JupyterLab browser test needs Debian's Chromium at {CHROMIUM}; it is not there. "
+            "Fix: `apt-get install -y chromium` (as .ci/run does), or set WORKBENCH_CHROMIUM to a "
+            "Chromium binary.",
+            pytrace=False,
+        )
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.fail(
+            "The JupyterLab browser test needs Playwright (driving the system Chromium). Fix: "
+            'PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 pip install -e ".[test]"',
+            pytrace=False,
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of pid (Linux /proc): the server's kernels run in sessions of their own."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _write_notebook(path: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext workbench"),
+        nbformat.v4.new_code_cell(
+            "%%replicate --backend mirrored --replicas 2 --steps 100000000 --background --no-live\n"
+            + TOY_CELL.strip()
+        ),
+        nbformat.v4.new_code_cell("fg = %replicate step_fn input_fn --steps 100000000 --no-live"),
+    ]
+    nbformat.write(nb, path)
+
+
+def _start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
+    config = root / ".jupyter-config"
+    (config / "labconfig").mkdir(parents=True)
+    # No news pop-up over the status bar, no update check (there is no network to ask).
+    (config / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(config),
+        JUPYTERLAB_SETTINGS_DIR=str(root / ".lab-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(root / ".lab-workspaces"),
+        WORKBENCH_RUNS_DIR=str(root / "runs"),
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+    log = open(root / "jupyterlab.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--ServerApp.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--allow-root",
+        ],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, f"JupyterLab exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"JupyterLab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _step(run_row) -> int:
+    """The step a sidebar run row shows ("step 1,588 / 100,000,000" -> 1588)."""
+    text = run_row.locator(".wb-run-step").first.inner_text()
+    return int(re.search(r"step ([\d,]+)", text).group(1).replace(",", ""))
+
+
+def _run_cell(page, index: int) -> None:
+    """Selects cell `index` (command mode) and runs it with Shift+Enter, as a person does."""
+    cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell").nth(index)
+    cell.locator(".jp-InputPrompt").click()
+    page.keyboard.press("Shift+Enter")
+
+
+def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
+    _require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=WAIT_MS)
+
+    _write_notebook(tmp_path / "replicate.ipynb")
+    port, token = _free_port(), secrets.token_hex(16)
+    base = f"http://127.0.0.1:{port}"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    server = _start_lab(tmp_path, port, token)
+    kernels: list[int] = []
+    try:
+        _wait_for_server(f"{base}/api/status?token={token}", server, tmp_path / "jupyterlab.log")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+            try:
+                page = browser.new_page(viewport={"width": 1440, "height": 900})
+                page.set_default_timeout(WAIT_MS)
+                page.goto(f"{base}/lab/tree/replicate.ipynb?reset&token={token}")
+                expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(3)
+                # The kernel is up, the workbench not loaded yet: the sidebar says how to load it.
+                page.locator(".wb-toolbar-sidebar").first.click()
+                sidebar = page.locator(".wb-sidebar")
+                expect(sidebar).to_have_attribute("data-state", "absent")
+                expect(sidebar).to_contain_text("%load_ext workbench")
+                kernels = _children(server.pid)
+
+                # %load_ext, then the background %%replicate cell.
+                _run_cell(page, 0)
+                expect(sidebar).to_have_attribute("data-state", "ready")
+                expect(sidebar.locator(".wb-devices")).to_contain_text("8 CPU devices (virtual)")
+                _run_cell(page, 1)
+                running = sidebar.locator(".wb-run[data-status=running]")
+                expect(running).to_have_count(1)
+                expect(running.locator(".wb-run-config")).to_have_text("mirrored \u00b7 2 replicas")
+                expect(sidebar.locator(".wb-replicator")).to_have_text("mirrored \u00b7 2 replicas")
+                status = page.locator(".wb-status")
+                expect(status).to_have_text(
+                    re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 [\d,.]+ steps/s$")
+                )
+                # Live: the step count grows while the kernel is idle (the run is in a thread).
+                first = _step(running)
+                page.wait_for_timeout(1500)
+                second = _step(running)
+                assert second > first > 0, (first, second)
+                expect(running.locator(".wb-run-loss")).to_have_text(re.compile(r"^loss \d"))
+                expect(running.locator(".wb-run-throughput")).to_have_text(re.compile(r"[\d,.]+ examples/s$"))
+                page.screenshot(path=str(SCREENSHOTS / "sidebar-running.png"))
+
+                # Stop (a background run: a comm message to the kernel).
+                running.locator(".wb-stop").click()
+                stopped = sidebar.locator(".wb-run[data-status=stopped]")
+                expect(stopped).to_have_count(1)
+                expect(status).to_have_text("Replicator: mirrored \u00b7 2 replicas")  # no run, no rate
+                assert _step(stopped) >= second
+                (record,) = (tmp_path / "runs").glob("*/config.json")
+                assert json.loads(record.read_text())["status"] == "stopped"  # the kernel's own record
+
+                # The stopped run's dashboard figure opens in the main area.
+                stopped.locator(".wb-figure").click()
+                image = page.locator(".wb-figure-view img")
+                expect(image).to_be_visible()
+                assert image.evaluate("img => img.naturalWidth") > 100
+                page.screenshot(path=str(SCREENSHOTS / "dashboard-figure.png"))
+                page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
+
+                # A foreground run holds the kernel: the toolbar's Stop interrupts it, cleanly.
+                _run_cell(page, 2)
+                expect(running).to_have_count(1)
+                expect(status).to_have_text(re.compile(r"[\d,.]+ steps/s$"))
+                page.locator(".wb-toolbar-stop").first.click()
+                expect(sidebar.locator(".wb-run[data-status=interrupted]")).to_have_count(1)
+                expect(running).to_have_count(0)
+
+                # The template command inserts a %%replicate cell with input_fn and step_fn.
+                cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
+                before = cells.count()
+                page.locator(".wb-toolbar-insert").first.click()
+                expect(cells).to_have_count(before + 1)
+                inserted = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell.jp-mod-active")
+                expect(inserted).to_contain_text("%%replicate --steps 300")  # the session has a replicator
+                expect(inserted).to_contain_text("def step_fn(x, y):")
+                page.screenshot(path=str(SCREENSHOTS / "sidebar-stopped.png"))
+
+                # The palette has the commands: open the last run's (run 2's) figure from it.
+                page.keyboard.press("Control+Shift+C")
+                page.locator(".lm-CommandPalette-input").fill("Replicator Workbench")
+                items = page.locator(".lm-CommandPalette-item")
+                expect(items.filter(has_text="Insert input_fn/step_fn Template Cell")).to_have_count(1)
+                expect(items.filter(has_text="Stop the Running Run")).to_have_count(1)
+                expect(items.filter(has_text="Open the Replicator Sidebar")).to_have_count(1)
+                items.filter(has_text="Dashboard Figure").click()
+                expect(page.locator(".lm-TabBar-tab", has_text="run 2 dashboard")).to_have_count(1)
+            finally:
+                browser.close()
+    finally:
+        kernels = sorted(set(kernels) | set(_children(server.pid)))
+        server.terminate()  # the server shuts its kernels down on SIGTERM
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+        _kill(kernels)  # whatever outlived the server

@@ -1,0 +1,336 @@
+"""The kernel side of the JupyterLab extension: a comm target that tells the sidebar what happens.
+
+`%load_ext workbench` calls `register()`. From then on the kernel keeps a small picture of the
+session (the devices, the session's replicator, the recent runs with their step, metrics and
+throughput) and pushes it to every open comm of target TARGET as one "snapshot" message:
+
+  kernel -> frontend  {"type": "snapshot", "protocol": 1, "devices": {...}, "replicator": {...}|None,
+                       "runs": [run, ...] (newest first)}
+                      {"type": "figure", "run_id", "name", "png": base64}     (reply to "figure")
+                      {"type": "error", "text"}
+  frontend -> kernel  {"type": "hello"} (the comm_open), {"type": "refresh"},
+                      {"type": "stop", "run_id": id | None}, {"type": "figure", "run_id": id | None}
+
+Nothing polls: a run's sink pushes when something changes, at most 1/MIN_INTERVAL times a second
+per run (started and ended always go out). A frontend message reaches the kernel only when its
+shell is free: a background run can be stopped with "stop"; a foreground run keeps the shell
+busy, so the frontend interrupts the kernel instead (the run loop turns that into a clean stop)
+and the run's "foreground" field tells it which to do.
+
+Both sides open comms: the kernel one in register(), so a sidebar already open learns at once
+that `%load_ext workbench` ran; a frontend connecting later finds that comm with a comm_info
+request and opens its own (a comm opened without the target is closed by the kernel, with an
+error in its log: the frontend asks first).
+Outside a Jupyter kernel (plain IPython, tests' in-process shell) register() does nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import threading
+import time
+from collections import OrderedDict
+
+TARGET = "workbench.lab"
+PROTOCOL = 1
+MIN_INTERVAL = 0.25  # s between pushes for one run: <= 4 a second, whatever the training speed
+MAX_RUNS = 10  # recent runs shown (this kernel's, newest first)
+MAX_COMMS = 8  # comms of reloaded pages are never closed; keep the newest few
+
+_lock = threading.RLock()
+_comms: list = []  # open comms, oldest first
+_watchers: OrderedDict[str, _RunWatcher] = OrderedDict()  # run id -> watcher, oldest first
+_devices: dict | None = None
+_replicator: dict | None = None  # the session's replicator, described on the main thread
+_registered = False
+
+
+def register(ipython=None) -> bool:
+    """Registers the comm target and watches every run from now on; True when in a kernel.
+
+    Idempotent. `ipython` is the shell `%load_ext` runs in (None: the current one).
+    """
+    global _registered
+    if ipython is None:
+        from IPython import get_ipython
+
+        ipython = get_ipython()
+    if getattr(ipython, "kernel", None) is None:
+        return False  # no Jupyter frontend can talk to this shell
+    with _lock:
+        if _registered:
+            return True
+        import comm
+
+        from workbench._src import session
+        from workbench._src.train_loop import SINK_FACTORIES
+
+        comm.get_comm_manager().register_target(TARGET, _on_open)
+        if _watch not in SINK_FACTORIES:
+            SINK_FACTORIES.append(_watch)
+        session.observe(_on_session_change)
+        _describe_session()
+        _registered = True
+        # A sidebar that was told "not loaded" learns that it now is.
+        _add_comm(comm.create_comm(target_name=TARGET, data=snapshot()))
+    return True
+
+
+def snapshot() -> dict:
+    """What the sidebar shows, as one JSON-able message."""
+    global _devices
+    with _lock:
+        if _devices is None:
+            _devices = _device_info()
+        runs = [w.info() for w in reversed(_watchers.values())]
+        return {
+            "type": "snapshot",
+            "protocol": PROTOCOL,
+            "devices": _devices,
+            "replicator": _replicator,
+            "runs": runs,
+        }
+
+
+# ----- comms ---------------------------------------------------------------------------------
+def _on_open(comm, msg) -> None:
+    """A frontend opened a comm (its "hello"): remember it and answer with the snapshot."""
+    _add_comm(comm)
+    comm.send(snapshot())
+
+
+def _add_comm(comm) -> None:
+    with _lock:
+        _comms.append(comm)
+        while len(_comms) > MAX_COMMS:
+            _comms.pop(0).close()
+    comm.on_msg(lambda msg: _on_msg(comm, msg))
+    comm.on_close(lambda msg: _drop_comm(comm))
+
+
+def _drop_comm(comm) -> None:
+    with _lock:
+        if comm in _comms:
+            _comms.remove(comm)
+
+
+def _push(message: dict | None = None) -> None:
+    message = message or snapshot()
+    with _lock:  # one sender at a time: snapshots arrive in order
+        for comm in list(_comms):
+            try:
+                comm.send(message)
+            except Exception:  # noqa: BLE001 - a dead comm must not break a training run
+                _comms.remove(comm)
+
+
+def _on_msg(comm, msg) -> None:
+    data = msg["content"]["data"] or {}
+    kind = data.get("type")
+    if kind == "stop":
+        stopped = _stop(data.get("run_id"))
+        _push()
+        if not stopped:
+            comm.send({"type": "error", "text": "No run of this kernel is running: nothing to stop."})
+    elif kind == "figure":
+        comm.send(_figure(data.get("run_id")))
+    elif kind in ("refresh", "hello"):
+        comm.send(snapshot())
+    else:
+        comm.send({"type": "error", "text": f"workbench: unknown request {kind!r}; received {data!r}."})
+
+
+def _stop(run_id: str | None) -> bool:
+    """Asks the run (None: every running run) to stop at its next step boundary."""
+    with _lock:
+        targets = [w for w in _watchers.values() if w.running and run_id in (None, w.run_id)]
+    for watcher in targets:
+        watcher.request_stop()
+    return bool(targets)
+
+
+def _figure(run_id: str | None) -> dict:
+    """The dashboard PNG of run `run_id`, or of the newest run that has one."""
+    from workbench._src import runstore
+
+    with _lock:
+        ids = [run_id] if run_id else [w.run_id for w in reversed(_watchers.values()) if not w.running]
+    for rid in ids:
+        folder = runstore.record_dir(rid)
+        path = folder / runstore.FIGURE if folder else None
+        if path is not None and path.is_file():
+            name = _watchers[rid].name if rid in _watchers else rid
+            return {
+                "type": "figure",
+                "run_id": rid,
+                "name": name,
+                "png": base64.b64encode(path.read_bytes()).decode("ascii"),
+            }
+    wanted = f"run {run_id!r}" if run_id else "any finished run of this kernel"
+    return {
+        "type": "error",
+        "text": f"No dashboard figure for {wanted} yet: the figure is written when a run ends "
+        "(recorded runs only: `%load_ext workbench` turns the run store on; see wb.runs()).",
+    }
+
+
+# ----- the session and the runs ------------------------------------------------------------
+def _on_session_change(repl, choice) -> None:
+    _describe_session()
+    _push()
+
+
+def _describe_session() -> None:
+    """Describes the session's replicator now (main thread), so pushes from runs need no TF call."""
+    global _replicator
+    from workbench._src import session
+
+    repl = session.current_or_none()
+    if repl is None:
+        _replicator = None
+        return
+    info = dict(repl.describe())
+    info.update({k: v for k, v in (session.current_choice() or {}).items() if v is not None})
+    _replicator = _jsonable(info)
+
+
+def _device_info() -> dict:
+    from workbench._src.tf_setup import device_summary
+
+    return _jsonable(device_summary())
+
+
+def _watch(run) -> _RunWatcher:
+    """The sink factory (train_loop.SINK_FACTORIES): one watcher per run that starts."""
+    watcher = _RunWatcher(run)
+    with _lock:
+        _watchers[watcher.run_id] = watcher
+        while len(_watchers) > MAX_RUNS:
+            _watchers.popitem(last=False)
+    return watcher
+
+
+class _RunWatcher:
+    """A run's sink: keeps its latest step, metrics and throughput; pushes rate-limited."""
+
+    def __init__(self, run):
+        self.run = run  # dropped at the end: a finished run's history is not kept alive here
+        self.run_id, self.name = run.id, run.name
+        config = run.config
+        self.backend = config.get("backend")
+        self.num_replicas = config.get("num_replicas")
+        self.num_workers = config.get("num_workers")
+        self.target = config.get("steps")
+        self.status = "created"
+        self.reason: str | None = None
+        self.foreground = True
+        self.stop_requested = False
+        self.first_step: int | None = None
+        self.step = 0
+        self.metrics: dict[str, float | None] = {}
+        self.examples_per_sec: float | None = None
+        self.steps_per_sec: float | None = None
+        self.started: float | None = None
+        self.ended: float | None = None
+        self._mark: tuple[int, float] | None = None  # (step, wall_time) at the last rate update
+        self._last_push = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self.status in ("created", "running")
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+        run = self.run
+        if run is not None:
+            run.stop()
+
+    def send(self, event) -> None:
+        if event.kind == "started":
+            # Foreground runs train on the kernel's main thread (the shell is busy: only an
+            # interrupt reaches them); background runs in their own thread.
+            self.foreground = threading.current_thread() is threading.main_thread()
+            self.status, self.started = "running", event.time
+            self.first_step = event.data.get("first_step", 1)
+            if self.target is not None:
+                self.target = self.first_step - 1 + self.target
+            self._send_now()
+        elif event.kind == "metrics":
+            self._update(event.data["rows"])
+            if time.monotonic() - self._last_push >= MIN_INTERVAL:
+                self._send_now()
+        elif event.kind == "ended":
+            self.status, self.reason = event.data.get("status"), event.data.get("reason")
+            self.ended = event.time
+            self.run = None
+            self._send_now()
+
+    def _update(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        last = rows[-1]
+        self.step = int(last["step"])
+        self.metrics = {
+            k: _finite(v) for k, v in last.items() if k not in ("step", "wall_time", "examples_per_sec")
+        }
+        eps = _finite(last.get("examples_per_sec"))
+        if eps is None:  # the first chunk (it traced and compiled): no rate yet
+            self._mark = (self.step, float(last["wall_time"]))
+            return
+        self.examples_per_sec = eps
+        if self._mark is not None:
+            steps, seconds = self.step - self._mark[0], float(last["wall_time"]) - self._mark[1]
+            if steps > 0 and seconds > 0 and time.monotonic() - self._last_push >= MIN_INTERVAL:
+                # averaged over everything since the last update: steadier than one chunk
+                self.steps_per_sec = steps / seconds
+                self._mark = (self.step, float(last["wall_time"]))
+        else:
+            self._mark = (self.step, float(last["wall_time"]))
+
+    def _send_now(self) -> None:
+        self._last_push = time.monotonic()
+        _push()
+
+    def info(self) -> dict:
+        return {
+            "id": self.run_id,
+            "name": self.name,
+            "backend": self.backend,
+            "num_replicas": self.num_replicas,
+            "num_workers": self.num_workers,
+            "status": self.status,
+            "reason": self.reason,
+            "foreground": self.foreground,
+            "stop_requested": self.stop_requested,
+            "first_step": self.first_step,
+            "step": self.step,
+            "target_step": self.target,
+            "loss": self.metrics.get("loss"),
+            "metrics": dict(self.metrics),
+            "examples_per_sec": self.examples_per_sec,
+            "steps_per_sec": self.steps_per_sec,
+            "started": self.started,
+            "ended": self.ended,
+        }
+
+
+def _finite(value) -> float | None:
+    """JSON has no NaN/Inf (the browser's JSON.parse rejects them): None instead."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return _finite(value)
+    return repr(value)
