@@ -14,7 +14,9 @@ Importing this package does not import TensorFlow; the first function that needs
 """
 
 from workbench._src.backends import replicator
+from workbench._src.backends.async_ps import MultiWorkerAsyncReplicator
 from workbench._src.backends.mirrored import MultiGpuReplicator
+from workbench._src.backends.multi_worker import MultiWorkerReplicator
 from workbench._src.backends.single import NonReplicator
 from workbench._src.backends.tpu import TpuReplicator
 from workbench._src.batchnorm import CrossReplicaBatchNorm
@@ -28,6 +30,7 @@ from workbench._src.errors import (
     StepFunctionError,
     TpuUnavailableError,
     WorkbenchError,
+    WorkerError,
 )
 from workbench._src.inputs import InputContext, InputReplication
 from workbench._src.loss_scaling import LossScalingReport, check_loss_scaling
@@ -51,6 +54,8 @@ __all__ = [
     "InputReplication",
     "LossScalingReport",
     "MultiGpuReplicator",
+    "MultiWorkerAsyncReplicator",
+    "MultiWorkerReplicator",
     "NonFiniteError",
     "NonReplicator",
     "ReplicaContextError",
@@ -61,6 +66,7 @@ __all__ = [
     "TpuReplicator",
     "TpuUnavailableError",
     "WorkbenchError",
+    "WorkerError",
     "batchnorm_report",
     "check_loss_scaling",
     "compare_numerics",

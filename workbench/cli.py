@@ -1,9 +1,20 @@
-"""`workbench` command line: `workbench demo`."""
+"""`workbench` command line: `workbench demo`, `workbench run FILE.py`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+RUN_EXAMPLES = """examples:
+  workbench run train.py --backend mirrored --replicas 4 --steps 500
+  workbench run train.py --backend multi-worker --workers 2 --steps 500
+  workbench run train.py --backend async-ps --workers 2 --ps 1 --steps 500
+  # on a real cluster, every host runs the same line with its own TF_CONFIG (or under srun):
+  workbench run train.py --backend multi-worker --cluster TF_CONFIG --steps 500
+
+FILE.py is run inside the replicator's context (as a %%replicate cell is): it builds its model
+and optimizer and defines input_fn(ctx) and step_fn(batch); `repl` (or wb.current()) is the
+replicator. It may be run once per worker process, so keep other side effects out of it."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,12 +24,39 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--replicas", type=int, default=4)
     demo.add_argument("--steps", type=int, default=600)
     demo.add_argument("--out", default="workbench-demo.png", help="where to write the plot PNG")
+    run = sub.add_parser(
+        "run",
+        help="train the input_fn/step_fn a Python file defines, on any backend",
+        epilog=RUN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.add_argument("file", help="a Python file defining input_fn and step_fn")
+    run.add_argument(
+        "--backend", "-b", default="mirrored", help="single | mirrored | multi-worker | async-ps | tpu"
+    )
+    run.add_argument("--replicas", "-r", type=int, help="replicas (mirrored); default: every device")
+    run.add_argument("--workers", type=int, help="worker processes (multi-worker, async-ps)")
+    run.add_argument("--ps", type=int, help="parameter servers (async-ps)")
+    run.add_argument("--steps", "-s", type=int, required=True)
+    run.add_argument("--steps-per-execution", default="auto", help="steps fused per call, or auto")
+    run.add_argument("--checkpoint", metavar="DIR", help="save checkpoints in DIR (and resume from it)")
+    run.add_argument("--checkpoint-every", type=int, metavar="N", help="also save every N steps")
+    run.add_argument("--history", metavar="CSV", help="write the run's history to this CSV file")
+    run.add_argument(
+        "--cluster",
+        help="join a real cluster: TF_CONFIG (the environment variable) or slurm; default: start local processes",
+    )
+    run.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the cluster")
+    run.add_argument("--cpus", type=int, help="virtual CPU devices in this process (default 8 without GPUs)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from workbench._src.demo import demo as run_demo
 
         run_demo(replicas=args.replicas, steps=args.steps, out=args.out)
-    return 0
+        return 0
+    from workbench._src.run_file import run_file
+
+    return run_file(args)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,15 @@ class NonFiniteError(WorkbenchError, FloatingPointError):
     def __init__(self, message: str, run=None):
         super().__init__(message)
         self.run = run
+
+
+class WorkerError(WorkbenchError, RuntimeError):
+    """A process of a multi-process run died, froze, failed or never started.
+
+    `task` names it ("worker 1", "ps 0"); `run` holds the run's history up to the failure.
+    """
+
+    def __init__(self, message: str, task: str | None = None, run=None):
+        super().__init__(message)
+        self.task = task
+        self.run = run

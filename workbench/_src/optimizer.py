@@ -49,8 +49,11 @@ class ReplicatedOptimizer:
         variables = [v for _, v in grads_and_vars]
         self._build_if_needed(variables)
         grads = [g for g, _ in grads_and_vars]
-        n = self._replicator.num_replicas
-        if n > 1 and tf().distribute.get_replica_context() is not None:
+        # The replicas that step together: every replica under mirrored / multi-worker, one
+        # under parameter servers (each worker applies its own gradient asynchronously).
+        context = tf().distribute.get_replica_context()
+        n = context.num_replicas_in_sync if context is not None else 1
+        if n > 1:
             grads = self._mean_across_replicas(grads, n)
         return self._optimizer.apply_gradients(list(zip(grads, variables)))
 
@@ -91,6 +94,7 @@ class ReplicatedOptimizer:
         if tf().executing_eagerly():
             self.build(variables)
         else:
+            _quiet_expected_coordinator_log()
             raise OptimizerNeedsBuild(self, variables)
 
     def build(self, variables):
@@ -109,3 +113,37 @@ class OptimizerNeedsBuild(Exception):
         super().__init__("a wrapped optimizer must be built before its first traced step")
         self.optimizer = optimizer
         self.variables = variables
+
+
+COORDINATOR_LOG = "Error reported to Coordinator"
+_coordinator_filter_installed = False
+
+
+def _is_expected_build_request(record) -> bool:
+    """A tensorflow log record that only reports our own OptimizerNeedsBuild (then retried)."""
+    if not record.getMessage().startswith(COORDINATOR_LOG):
+        return False
+    error = record.exc_info[1] if record.exc_info else None
+    while error is not None:  # autograph re-wraps it (StagingError): walk the chain
+        if isinstance(error, OptimizerNeedsBuild):
+            return True
+        error = error.__cause__ or error.__context__
+    # Logged without exc_info (TF formats the message itself): match our exception's text.
+    return "OptimizerNeedsBuild" in record.getMessage()
+
+
+def _quiet_expected_coordinator_log() -> None:
+    """Drops MirroredStrategy's "Error reported to Coordinator" log of an OptimizerNeedsBuild.
+
+    A replica thread that raises while tracing reports it to TensorFlow's thread Coordinator,
+    which logs the whole traceback (INFO) before the error reaches Program.call_compiled; there
+    the request is expected: the optimizer is built and the step traced again. Only records
+    whose exception is OptimizerNeedsBuild are dropped; every other coordinator error still logs.
+    """
+    global _coordinator_filter_installed
+    if _coordinator_filter_installed:
+        return
+    import logging
+
+    logging.getLogger("tensorflow").addFilter(lambda record: not _is_expected_build_request(record))
+    _coordinator_filter_installed = True

@@ -68,6 +68,14 @@ class Replicator:
         """Backend name, replica count and devices, for summaries, run records and the UI."""
         return {"backend": self.backend, "num_replicas": self.num_replicas}
 
+    def _agree_on_chunk(self, steps: int, stop: bool) -> tuple[int, bool]:
+        """The chunk length and stop decision all processes of the run use (one process: its own)."""
+        return steps, stop
+
+    def _checkpoint_write_directory(self, directory: str) -> str:
+        """Where this process writes checkpoints (multi-worker: non-chief workers write aside)."""
+        return directory
+
     # ----- the public face ---------------------------------------------------------------
     @property
     def strategy(self):

@@ -115,7 +115,7 @@ class _Loop:
                     run.publish(
                         "message", text=f"resumed from checkpoint at step {restored}: {self.saver.directory}"
                     )
-            run.publish("started", config=run.config, first_step=self.program.steps_done + 1)
+            run.publish("started", name=run.name, config=run.config, first_step=self.program.steps_done + 1)
             status, reason = self._loop()
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by the caller
             run.error = e
@@ -131,11 +131,14 @@ class _Loop:
         k = self.fixed_k or 1
         first_call = True
         while program.steps_done < target:
-            if run.stop_requested:
+            k = min(k, target - program.steps_done, self._steps_to_next_checkpoint())
+            # Multi-worker replicas must run chunks of the same length and stop together; the
+            # replicator agrees on both across workers (a no-op on one process).
+            k, stop = program.replicator._agree_on_chunk(k, run.stop_requested)
+            if stop:
                 return (
                     "interrupted" if getattr(run, "_interrupted", False) else "stopped"
                 ), f"stopped at step {program.steps_done}"
-            k = min(k, target - program.steps_done, self._steps_to_next_checkpoint())
             first = program.steps_done + 1
             t0 = time.perf_counter()
             rows, done = program.run_fused(k)
@@ -211,6 +214,9 @@ class _Saver:
     def __init__(self, replicator, program, directory, items):
         t = tf()
         self.directory = os.fspath(directory)
+        # Under multi-worker every worker saves (the save is collective) but only the chief's
+        # copy is kept; every worker restores from the chief's directory.
+        write_directory = replicator._checkpoint_write_directory(self.directory)
         self.program = program
         if items is None:
             items = {"variables": list(replicator._created_variables)}
@@ -219,12 +225,13 @@ class _Saver:
         self.step = t.Variable(0, dtype=t.int64, trainable=False)
         self.checkpoint = items
         self.step_checkpoint = t.train.Checkpoint(run=items, step=self.step)
-        self.manager = t.train.CheckpointManager(self.step_checkpoint, self.directory, max_to_keep=3)
+        self.manager = t.train.CheckpointManager(self.step_checkpoint, write_directory, max_to_keep=3)
 
     def restore_if_any(self) -> int | None:
-        if self.program.steps_done or not self.manager.latest_checkpoint:
+        latest = tf().train.latest_checkpoint(self.directory)
+        if self.program.steps_done or not latest:
             return None
-        self.step_checkpoint.restore(self.manager.latest_checkpoint)
+        self.step_checkpoint.restore(latest)
         self.program.steps_done = int(self.step.numpy())
         return self.program.steps_done
 

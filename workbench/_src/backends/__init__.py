@@ -4,13 +4,23 @@ from __future__ import annotations
 
 from workbench._src.errors import ConfigurationError
 
-# name -> (module, class, what it is); process backends are added by their own issue.
+# name -> (module, class, what it is).
 BACKENDS = {
     "single": ("workbench._src.backends.single", "NonReplicator", "one device"),
     "mirrored": (
         "workbench._src.backends.mirrored",
         "MultiGpuReplicator",
         "synchronous, all local GPUs or virtual CPUs",
+    ),
+    "multi-worker": (
+        "workbench._src.backends.multi_worker",
+        "MultiWorkerReplicator",
+        "synchronous all-reduce across worker processes",
+    ),
+    "async-ps": (
+        "workbench._src.backends.async_ps",
+        "MultiWorkerAsyncReplicator",
+        "asynchronous workers with parameter servers",
     ),
     "tpu": ("workbench._src.backends.tpu", "TpuReplicator", "synchronous on TPU cores"),
 }
@@ -34,7 +44,7 @@ def replicator(name: str = "mirrored", num_replicas: int | None = None, **kwargs
     """Makes a replicator by backend name.
 
     Args:
-      name: one of "single", "mirrored", "tpu" (see BACKENDS).
+      name: one of "single", "mirrored", "multi-worker", "async-ps", "tpu" (see BACKENDS).
       num_replicas: replicas to run (mirrored: devices / num_gpus_per_replica); None for all.
       **kwargs: passed to the backend class (e.g. num_gpus_per_replica=2, input_replication).
 

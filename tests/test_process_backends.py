@@ -1,0 +1,429 @@
+"""Process backends with real TensorFlow servers on 127.0.0.1: multi-worker (sync) and async-ps.
+
+No mocks: every test starts real worker / parameter-server processes, and checks afterwards
+that none is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from multiprocessing.connection import Client
+
+import cloudpickle
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import workbench as wb
+from workbench._src.local_cluster import Channel, ProcessGroup
+
+# Functions defined here travel to the workers by value (the workers cannot import tests/).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CLUSTER_MODULES = ("workbench._src.worker_main", "workbench._src.server_main")
+RNG = np.random.RandomState(0)
+X = RNG.randn(64, 8).astype("float32")
+Y = RNG.randn(64, 1).astype("float32")
+W0 = RNG.randn(8, 1).astype("float32") * 0.1
+GLOBAL_BATCH = 16
+
+
+def cluster_processes() -> list[str]:
+    """Processes running a workbench worker or server module (zombies excluded)."""
+    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
+    return [
+        line.strip()
+        for line in out.splitlines()[1:]
+        if any(m in line for m in CLUSTER_MODULES) and line.split()[1][0] != "Z"
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_orphans():
+    before = cluster_processes()
+    yield
+    deadline = time.monotonic() + 10
+    while cluster_processes() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster_processes() == before, f"processes left behind: {cluster_processes()}"
+
+
+def make_model():
+    import keras
+
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(W0))]
+    )
+
+
+def regression_input_fn(ctx):
+    return tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(GLOBAL_BATCH)
+
+
+def train_regression(repl, optimizer_name: str, steps: int):
+    """Builds the model under repl, trains `steps` steps; returns (weights, loss history)."""
+    import keras
+
+    with repl.context():
+        model = make_model()
+        opt = repl.wrap_optimizer(
+            keras.optimizers.get({"class_name": optimizer_name, "config": {"learning_rate": 0.1}})
+        )
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+        return {"loss": loss}
+
+    run = repl.train(step_fn, regression_input_fn, steps=steps, steps_per_execution=1)
+    return [v.numpy() for v in model.weights], list(run.history["loss"])
+
+
+def conformance_on_worker(repl):
+    """Runs inside each worker: primitive values, and SGD/Adam training from fixed weights."""
+
+    def probe_input(ctx):
+        return tf.data.Dataset.from_tensors(tf.zeros([2])).repeat()
+
+    def probe_step(x):
+        rid = tf.cast(repl.replica_id, tf.float32)
+        return {
+            "sum": repl.all_sum(rid + 1.0),
+            "mean": repl.all_reduce(rid, "mean"),
+            "max": repl.all_reduce(rid, "max"),
+            "gather": repl.all_gather(tf.reshape(rid, [1])),
+            "broadcast": repl.broadcast(rid + 5.0, source=1),
+        }
+
+    probe = [tf.nest.map_structure(lambda v: v.numpy(), out) for out in repl.run(probe_step, probe_input)]
+    sgd = train_regression(repl, "SGD", 1)
+    adam = train_regression(repl, "Adam", 20)
+    return {
+        "probe": probe,
+        "sgd": sgd,
+        "adam": adam,
+        "worker_id": repl.worker_id,
+        "num_replicas": repl.num_replicas,
+        "tf_config": os.environ["TF_CONFIG"],
+    }
+
+
+# ----- multi-worker (synchronous) ---------------------------------------------------------------
+def test_multi_worker_conformance_matches_one_device():
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    assert repl.num_replicas == 2 and repl.describe()["synchronous"] is True
+    results = repl.run_on_workers(conformance_on_worker)
+    assert [r["worker_id"] for r in results] == [0, 1]
+    for r in results:
+        cluster = json.loads(r["tf_config"])["cluster"]
+        assert all(a.startswith("127.0.0.1:") for a in cluster["worker"]), cluster  # loopback only
+        (probe,) = r["probe"]  # one local replica per worker
+        assert probe["sum"] == 3.0 and probe["mean"] == 0.5 and probe["max"] == 1.0
+        assert list(probe["gather"]) == [0.0, 1.0] and probe["broadcast"] == 6.0
+
+    reference = wb.NonReplicator()
+    sgd_weights, _ = train_regression(reference, "SGD", 1)
+    adam_weights, adam_losses = train_regression(reference, "Adam", 20)
+    for r in results:  # every worker holds the same (mirrored) weights
+        for got, want in zip(r["sgd"][0], sgd_weights):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        for got, want in zip(r["adam"][0], adam_weights):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(r["adam"][1], adam_losses, atol=1e-5)
+
+
+def regression_setup(repl):
+    import keras
+
+    model = make_model()
+    opt = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+        return {"loss": loss}
+
+    return step_fn, regression_input_fn
+
+
+def wait_for_steps(run, steps, timeout=120):
+    deadline = time.monotonic() + timeout
+    while run.steps < steps and run.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run.steps >= steps, f"run reached only step {run.steps}: {run.status} {run.stop_reason}"
+
+
+def test_multi_worker_interrupt_stops_every_worker_at_one_step():
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    events = []
+    state = {}
+
+    def interrupt_when_training(event):
+        events.append(event)
+        if event.kind == "metrics" and event.data["rows"][-1]["step"] >= 30 and "sent" not in state:
+            state["sent"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGINT)  # what a Jupyter interrupt does to the kernel
+
+    run = repl.train(setup=regression_setup, steps=1_000_000, sinks=[interrupt_when_training])
+    assert run.status == "interrupted", run.stop_reason
+    assert time.monotonic() - state["sent"] < 10
+    history = run.history
+    assert len(history) == run.steps and list(history["step"]) == list(range(1, run.steps + 1))
+    assert np.isfinite(history["loss"]).all()
+    texts = [e.data.get("text", "") for e in events if e.kind == "message"]
+    assert any("2 workers connected" in t for t in texts)
+
+
+def start_background_run(repl, steps=1_000_000):
+    run = repl.train(setup=regression_setup, steps=steps, background=True)
+    wait_for_steps(run, 10)
+    return run
+
+
+def worker_pid(index: int) -> int:
+    for line in cluster_processes():
+        pid = int(line.split()[0])
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        if f"WORKBENCH_TASK=worker:{index}".encode() in env and b"WORKBENCH_CHANNEL=" in b"\0".join(env):
+            return pid
+    raise AssertionError(f"no worker {index} among {cluster_processes()}")
+
+
+def test_multi_worker_killed_worker_stops_the_run_with_its_name():
+    run = start_background_run(wb.MultiWorkerReplicator(num_workers=2))
+    os.kill(worker_pid(1), signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(wb.WorkerError, match=r"worker 1 \(pid \d+\) killed by SIGKILL") as info:
+        run.wait(timeout=60)
+    assert time.monotonic() - killed < 30
+    assert info.value.task == "worker 1" and run.status == "failed"
+    assert len(run.history) == run.steps > 0  # the history up to the failure is kept
+
+
+def test_multi_worker_frozen_worker_is_named_within_30_seconds():
+    run = start_background_run(wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=8))
+    os.kill(worker_pid(1), signal.SIGSTOP)
+    frozen = time.monotonic()
+    with pytest.raises(wb.WorkerError, match=r"worker 1 \(pid \d+\) stopped responding"):
+        run.wait(timeout=60)
+    assert time.monotonic() - frozen < 30
+
+
+def test_peer_that_never_starts_gives_a_startup_timeout(tmp_path):
+    from workbench._src.local_cluster import free_ports
+
+    ports = free_ports(2)
+    tf_config = {
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": 0},
+    }
+    env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+    started = time.monotonic()
+    script = os.path.join(os.path.dirname(__file__), "data", "toy_train.py")
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "run", script, "--backend", "multi-worker",
+         "--cluster", "TF_CONFIG", "--steps", "5", "--startup-timeout", "8"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert f"worker 1 at 127.0.0.1:{ports[1]} never connected" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 90
+
+
+def test_functions_holding_tensorflow_state_get_a_clear_error():
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    model = make_model()
+
+    def step_fn(x, y):
+        return {"loss": tf.reduce_mean(model(x))}
+
+    with pytest.raises(wb.ConfigurationError, match=r"TensorFlow state.*setup=build"):
+        repl.train(step_fn, regression_input_fn, steps=5)
+    with pytest.raises(wb.ConfigurationError, match="no strategy"):
+        repl.all_sum(1.0)
+
+
+def test_cli_runs_a_script_on_two_workers(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "data", "toy_train.py")
+    history = tmp_path / "history.csv"
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "run", script, "--backend", "multi-worker",
+         "--workers", "2", "--steps", "60", "--history", str(history)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["status"] == "finished" and summary["steps"] == 60
+    import pandas as pd
+
+    table = pd.read_csv(history)
+    assert list(table["step"]) == list(range(1, 61))
+    assert table["loss"].iloc[-5:].mean() < table["loss"].iloc[:5].mean()
+
+
+# ----- the channel -------------------------------------------------------------------------------
+def test_channel_is_loopback_and_accepts_only_its_own_processes():
+    group = ProcessGroup("test")
+    channel = Channel(group)
+    try:
+        host, port = channel.address
+        assert host == "127.0.0.1"
+        with pytest.raises(Exception):  # noqa: B017 - multiprocessing.AuthenticationError
+            Client((host, port), authkey=b"not the key")
+        intruder = Client((host, port), authkey=channel.key)  # the key, but not our process
+        intruder.send({"type": "hello", "task": "worker:0", "pid": os.getpid()})
+        deadline = time.monotonic() + 5
+        while channel.rejected < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert channel.rejected == 2
+        assert channel.messages.empty()
+        with pytest.raises((EOFError, OSError)):
+            intruder.recv()
+    finally:
+        channel.close()
+        group.stop()
+
+
+# ----- async-ps ----------------------------------------------------------------------------------
+def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
+    try:
+        weights, losses = train_regression(repl, "SGD", 3)
+        ref_weights, ref_losses = train_regression(wb.NonReplicator(), "SGD", 3)
+        for got, want in zip(weights, ref_weights):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(losses, ref_losses, atol=1e-5)
+        with pytest.raises(wb.ConfigurationError, match="single, mirrored, multi-worker, tpu"):
+            repl.all_sum(1.0)
+    finally:
+        repl.shutdown()
+
+
+def async_model(repl, lr=0.05):
+    import keras
+
+    with repl.context():
+        model = make_model()
+        opt = repl.wrap_optimizer(keras.optimizers.SGD(lr))
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+        return {"loss": loss}
+
+    return model, step_fn
+
+
+def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    try:
+        model, step_fn = async_model(repl)
+        run = repl.train(step_fn, regression_input_fn, steps=1500, steps_per_execution=5, background=True)
+        wait_for_steps(run, 100)
+        victim = next(c for c in repl.group.children if c.role == "worker" and c.index == 1)
+        os.kill(victim.pid, signal.SIGKILL)
+        run.wait(timeout=240)
+        assert run.status == "finished", run.stop_reason
+        history = run.history
+        assert run.steps == 1500 and list(history["step"]) == list(range(1, 1501))
+        assert run.executed_steps >= 1500  # at-least-once: lost chunks run again
+        lost = [e for e in run.events if e.kind == "message" and e.data.get("worker_lost") == 1]
+        assert lost and "killed by SIGKILL" in lost[0].data["text"]
+        assert history["workers"].iloc[0] == 2 and history["workers"].iloc[-1] == 1
+        assert np.isfinite(history["loss"]).all()
+    finally:
+        repl.shutdown()
+
+
+def test_async_ps_killed_parameter_server_fails_fast_and_checkpoint_restores(tmp_path):
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    try:
+        model, step_fn = async_model(repl)
+        run = repl.train(
+            step_fn, regression_input_fn, steps=1_000_000, steps_per_execution=5,
+            checkpoint_dir=tmp_path, checkpoint_every=50, background=True,
+        )  # fmt: skip
+        wait_for_steps(run, 160)
+        ps = next(c for c in repl.group.children if c.role == "ps")
+        os.kill(ps.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(wb.WorkerError, match=r"parameter server 0 .* killed by SIGKILL.*last checkpoint"):
+            run.wait(timeout=60)
+        assert time.monotonic() - killed < 10
+    finally:
+        repl.shutdown()
+    saved_step = int(tf.train.latest_checkpoint(str(tmp_path)).rsplit("-", 1)[1])
+    assert saved_step >= 50 and saved_step % 50 == 0
+    fresh = wb.NonReplicator()
+    _, fresh_step = async_model(fresh)
+    resumed = fresh.train(fresh_step, regression_input_fn, steps=5, checkpoint_dir=tmp_path)
+    texts = [e.data.get("text", "") for e in resumed.events if e.kind == "message"]
+    assert any(f"resumed from checkpoint at step {saved_step}" in t for t in texts)
+    assert int(resumed.history["step"].iloc[0]) == saved_step + 1
+
+
+def test_garbage_collected_async_replicator_leaves_no_servers():
+    import gc
+
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
+    repl.strategy  # noqa: B018 - starts the servers
+    pids = repl.group.pids()
+    assert all(os.path.exists(f"/proc/{p}") for p in pids)
+    del repl
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while cluster_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not cluster_processes()
+
+
+# ----- nothing left behind when the kernel dies -----------------------------------------------------
+KERNEL_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import cloudpickle
+    sys.path.insert(0, {tests!r})
+    import test_process_backends as t
+    cloudpickle.register_pickle_by_value(t)
+    import workbench as wb
+    ps = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
+    ps.strategy
+    run = wb.MultiWorkerReplicator(num_workers=2).train(setup=t.regression_setup, steps=10**6, background=True)
+    while run.steps < 5:
+        time.sleep(0.1)
+    print("READY", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_killed_kernel_leaves_no_processes(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(KERNEL_SCRIPT.format(tests=os.path.dirname(__file__)))
+    kernel = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        ready = threading.Event()
+        threading.Thread(target=lambda: (kernel.stdout.readline(), ready.set()), daemon=True).start()
+        assert ready.wait(240), "the kernel script did not start its clusters"
+        assert len(cluster_processes()) == 4  # 2 sync workers + 1 async worker + 1 parameter server
+        kernel.kill()  # SIGKILL: no atexit, no finally; the children must notice by themselves
+        kernel.wait()
+        deadline = time.monotonic() + 15
+        while cluster_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cluster_processes()
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()

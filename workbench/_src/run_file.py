@@ -1,0 +1,111 @@
+"""`workbench run FILE.py`: the notebook's %%replicate, for a script, on any backend.
+
+The file plays the part of a `%%replicate` cell: it runs inside the replicator's context with
+`repl` defined, builds its model and optimizer, and defines input_fn and step_fn, which are then
+trained. For multi-worker with local processes the file's source travels to every worker (as a
+cell does); on a real cluster every host runs the same command with its own TF_CONFIG.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from workbench._src.errors import WorkbenchError
+
+
+def run_file(args) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        print(
+            f"workbench run: no such file: {args.file!r}. Give a Python file that defines input_fn and step_fn.",
+            file=sys.stderr,
+        )
+        return 2
+    source = path.read_text()
+    from workbench._src import tf_setup
+
+    if args.cpus:
+        tf_setup.configure_devices(cpus=args.cpus)
+    try:
+        repl = _make_replicator(args)
+        namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
+        options = {
+            "steps_per_execution": _spe(args.steps_per_execution),
+            "sinks": [_ProgressPrinter(args.steps)],
+        }
+        if args.checkpoint:
+            options["checkpoint_dir"] = args.checkpoint
+        if args.checkpoint_every:
+            options["checkpoint_every"] = args.checkpoint_every
+        sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
+        from workbench._src import session
+
+        session._set(repl, None)
+        if hasattr(repl, "train_cell"):
+            run = repl.train_cell(source, namespace, args.steps, **options)
+        else:
+            namespace["repl"] = repl
+            with repl.context():
+                exec(compile(source, str(path), "exec"), namespace)
+            missing = [n for n in ("step_fn", "input_fn") if not callable(namespace.get(n))]
+            if missing:
+                print(f"workbench run: {path} must define {' and '.join(missing)}.", file=sys.stderr)
+                return 2
+            run = repl.train(namespace["step_fn"], namespace["input_fn"], args.steps, **options)
+    except WorkbenchError as e:
+        print(f"workbench run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    summary = run.summary()
+    if args.history:
+        run.history.to_csv(args.history, index=False)
+        summary["history_csv"] = args.history
+    print(json.dumps(summary, default=str))
+    return 0 if run.status in ("finished", "stopped", "interrupted") else 1
+
+
+def _make_replicator(args):
+    from workbench._src.backends import replicator
+
+    extra = {}
+    if args.workers is not None:
+        extra["num_workers"] = args.workers
+    if args.ps is not None:
+        extra["num_ps"] = args.ps
+    if args.cluster:
+        extra["cluster"] = args.cluster
+    if args.backend in ("multi-worker", "async-ps"):
+        extra["startup_timeout"] = args.startup_timeout
+    return replicator(args.backend, num_replicas=args.replicas, **extra)
+
+
+def _spe(text: str):
+    return "auto" if str(text).lower() == "auto" else int(text)
+
+
+class _ProgressPrinter:
+    """One line per second at most: step, metrics, throughput."""
+
+    def __init__(self, steps: int):
+        self.steps, self.last = steps, 0.0
+
+    def __call__(self, event) -> None:
+        if event.kind == "message":
+            print(f"[workbench] {event.data.get('text')}", flush=True)
+        if event.kind != "metrics" or not event.data["rows"]:
+            return
+        now = time.monotonic()
+        row = event.data["rows"][-1]
+        if now - self.last < 1.0 and row["step"] < self.steps:
+            return
+        self.last = now
+        metrics = " ".join(
+            f"{k} {v:.4g}"
+            for k, v in row.items()
+            if k not in ("step", "wall_time", "examples_per_sec", "workers")
+        )
+        rate = row.get("examples_per_sec")
+        rate_text = f" {rate:.0f} ex/s" if rate == rate else ""
+        print(f"step {row['step']}/{self.steps} {metrics}{rate_text}", flush=True)

@@ -1,0 +1,34 @@
+"""A TensorFlow server of a local async-ps cluster: `python -m workbench._src.server_main`.
+
+Started by MultiWorkerAsyncReplicator with the cluster spec (all 127.0.0.1 addresses) and its
+task ("worker:1", "ps:0") in the environment. It serves until its parent stops it or dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def main() -> None:
+    from workbench._src.local_cluster import TASK_ENV, exit_when_parent_dies
+
+    exit_when_parent_dies()
+    cluster = json.loads(os.environ["WORKBENCH_CLUSTER"])
+    job, index = os.environ[TASK_ENV].split(":")
+    from workbench._src import tf_setup
+
+    tf_setup._requested_cpus = 1  # one CPU device per server: the coordinator places the work
+    t = tf_setup.tf()
+    threads = os.environ.get("WORKBENCH_WORKER_THREADS")
+    if threads:
+        t.config.threading.set_intra_op_parallelism_threads(int(threads))
+        t.config.threading.set_inter_op_parallelism_threads(int(threads))
+    server = t.distribute.Server(
+        t.train.ClusterSpec(cluster), job_name=job, task_index=int(index), protocol="grpc", start=True
+    )
+    server.join()
+
+
+if __name__ == "__main__":
+    main()
