@@ -321,10 +321,14 @@ def _words(finding: dict, n: int, global_batch: int | None) -> tuple[str, str]:
     if mistake == "global-batch-loss-with-wrap-optimizer":
         return (
             f"the applied gradient is {k:.4g} times (1/N, N={n}) the one-device gradient. step_fn divides its loss "
-            "by the global batch (e.g. tf.nn.compute_average_loss), and repl.wrap_optimizer averages over the "
-            f"replicas as well: N is divided out twice.{also}",
+            "by the global batch, and repl.wrap_optimizer averages over the replicas as well: N is divided out "
+            "twice. Usual causes: tf.nn.compute_average_loss, or a keras.losses.Loss object such as "
+            "keras.losses.BinaryCrossentropy() or SparseCategoricalCrossentropy(), which under tf.distribute "
+            f"divides its mean by the replica count itself (Keras 3).{also}",
             "With repl.wrap_optimizer, write the loss as on one device: `loss = tf.reduce_mean(per_example_loss)` "
-            "(plus unscaled regularisation). Or use a plain optimizer with tf.nn.compute_average_loss.",
+            "with the function form of a Keras loss (e.g. `keras.losses.binary_crossentropy(y, logits, "
+            "from_logits=True)`), plus unscaled regularisation. Or use a plain optimizer with "
+            "tf.nn.compute_average_loss.",
         )
     return (
         f"the applied gradient is {k:.4g} times the one-device gradient ({kind} optimizer, {n} replicas).{also}",

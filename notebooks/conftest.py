@@ -1,0 +1,59 @@
+"""pytest wiring for the tutorial notebooks, which nbval collects (see pyproject.toml).
+
+- The sanitizers in nbval_sanitize.cfg apply by default, found next to this file, so
+  `python -m pytest notebooks/01_quickstart.ipynb` works from any directory.
+- While a notebook runs, its kernel records runs in a temporary folder (WORKBENCH_RUNS_DIR), not
+  in notebooks/runs/, so testing leaves nothing behind in the repository.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+_runs_dir: str | None = None
+_saved_env: dict[str, str | None] = {}
+
+
+def pytest_configure(config):
+    if getattr(config.option, "nbval_sanitize_with", "") is None:
+        config.option.nbval_sanitize_with = str(HERE / "nbval_sanitize.cfg")
+
+
+def _is_notebook_cell(item) -> bool:
+    return Path(str(item.fspath)).suffix == ".ipynb"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # The kernel starts while the first cell is set up and inherits this environment.
+    global _runs_dir
+    if not _is_notebook_cell(item) or "WORKBENCH_RUNS_DIR" in _saved_env:
+        return
+    if _runs_dir is None:
+        _runs_dir = tempfile.mkdtemp(prefix="workbench-notebook-runs-")
+    _saved_env["WORKBENCH_RUNS_DIR"] = os.environ.get("WORKBENCH_RUNS_DIR")
+    os.environ["WORKBENCH_RUNS_DIR"] = _runs_dir
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if "WORKBENCH_RUNS_DIR" not in _saved_env:
+        return
+    if nextitem is not None and _is_notebook_cell(nextitem):
+        return
+    previous = _saved_env.pop("WORKBENCH_RUNS_DIR")
+    if previous is None:
+        os.environ.pop("WORKBENCH_RUNS_DIR", None)
+    else:
+        os.environ["WORKBENCH_RUNS_DIR"] = previous
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _runs_dir is not None:
+        shutil.rmtree(_runs_dir, ignore_errors=True)
