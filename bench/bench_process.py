@@ -43,7 +43,6 @@ def digits_setup(batch: int, threads: int | None):
             ]
         )
         optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
         def input_fn(ctx):
             # Weak scaling: `batch` per worker, so the global batch grows with the workers.
@@ -53,7 +52,13 @@ def digits_setup(batch: int, threads: int | None):
 
         def step_fn(images, labels):
             with tf.GradientTape() as tape:
-                loss = loss_fn(labels, model(images, training=True))
+                # The function form: Keras loss *objects* divide by the replica count under
+                # tf.distribute, which wrap_optimizer's convention must not get.
+                loss = tf.reduce_mean(
+                    keras.losses.sparse_categorical_crossentropy(
+                        labels, model(images, training=True), from_logits=True
+                    )
+                )
             optimizer.minimize(loss, model.trainable_variables, tape=tape)
             return {"loss": loss}
 

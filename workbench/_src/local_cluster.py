@@ -71,6 +71,7 @@ class Child:
     log_path: Path
     started_at: float = field(default_factory=time.time)
     expected_exit: bool = False  # set when the child reported it is done
+    keepalive_fd: int | None = None  # see ProcessGroup(stop_at_exit=False)
 
     @property
     def pid(self) -> int:
@@ -110,14 +111,21 @@ def _is_noise(line: str) -> bool:
 class ProcessGroup:
     """The processes one replicator started; `stop()` ends them all (also at exit / on GC)."""
 
-    def __init__(self, label: str):
+    def __init__(self, label: str, stop_at_exit: bool = True):
         self.label = label
+        # stop_at_exit=False: at interpreter exit leave the children to the stdin-EOF rule, so
+        # they exit the moment this process is gone, not before. async-ps servers use it:
+        # TensorFlow's own clean-up at exit still talks to them (killing them first floods the
+        # log with connection errors). Their pipe's write end is duplicated into a bare fd that
+        # nothing closes before the process ends.
+        self.stop_at_exit = stop_at_exit
         self.children: list[Child] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="workbench-cluster-"))
         self._stopped = False
         _live_groups.add(self)
         # Stops the processes even if the owner is garbage collected without stop().
         self._finalizer = weakref.finalize(self, _stop_children, self.children)
+        self._finalizer.atexit = stop_at_exit
 
     def start(self, role: str, index: int, module: str, env: dict[str, str], args=()) -> Child:
         log_path = self.log_dir / f"{role}-{index}.log"
@@ -134,6 +142,8 @@ class ProcessGroup:
                 close_fds=True,
             )
         child = Child(role, index, popen, log_path)
+        if not self.stop_at_exit:
+            child.keepalive_fd = os.dup(popen.stdin.fileno())
         self.children.append(child)
         return child
 
@@ -169,6 +179,10 @@ def _stop_children(children: list[Child], grace: float = 2.0) -> None:
         with contextlib.suppress(OSError, ValueError):
             if c.popen.stdin:
                 c.popen.stdin.close()
+        if c.keepalive_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(c.keepalive_fd)
+            c.keepalive_fd = None
 
 
 def _signal(child: Child, sig: int) -> None:
@@ -181,8 +195,9 @@ def _signal(child: Child, sig: int) -> None:
 @atexit.register
 def _stop_all_groups() -> None:
     for group in list(_live_groups):
-        with contextlib.suppress(Exception):
-            group.stop(grace=1.0)
+        if group.stop_at_exit:
+            with contextlib.suppress(Exception):
+                group.stop(grace=1.0)
 
 
 # ----- the channel ---------------------------------------------------------------------------

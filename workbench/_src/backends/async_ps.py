@@ -25,7 +25,6 @@ What asynchronous training changes, and how the workbench deals with it:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -39,7 +38,6 @@ import weakref
 
 import numpy as np
 
-from workbench._src import local_cluster  # noqa: F401 - first, so its atexit hook runs after ours
 from workbench._src.errors import ConfigurationError, InputError, WorkerError
 from workbench._src.program import Program, call_compiled
 from workbench._src.replicator import Replicator
@@ -48,16 +46,6 @@ from workbench._src.tf_setup import tf
 SERVER_MODULE = "workbench._src.server_main"
 CHUNK_SECONDS = 0.2
 _connected = None  # weakref to the replicator whose cluster this process uses (one at a time)
-
-
-@atexit.register
-def _shutdown_connected() -> None:
-    # Registered after local_cluster's own atexit hook, so it runs first: programs are dropped
-    # while the servers still answer, then the servers stop.
-    repl = _connected() if _connected is not None else None
-    if repl is not None:
-        with contextlib.suppress(Exception):
-            repl.shutdown(reason="interpreter exit")
 
 
 class MultiWorkerAsyncReplicator(Replicator):
@@ -161,7 +149,7 @@ class MultiWorkerAsyncReplicator(Replicator):
             "chief": [f"127.0.0.1:{ports[-1]}"],  # this process, the coordinator
         }
         self.cluster_spec = cluster
-        group = ProcessGroup(self.backend)
+        group = ProcessGroup(self.backend, stop_at_exit=False)  # they exit when this process ends
         self.group = group
         env = {"WORKBENCH_CLUSTER": json.dumps(cluster), "CUDA_VISIBLE_DEVICES": ""}
         if self.threads_per_server:
