@@ -303,3 +303,17 @@ def test_error_when_step_fn_applies_no_gradients():
 def test_import_workbench_does_not_import_tensorflow():
     code = "import sys, workbench as wb; wb.compare_numerics; wb.CrossReplicaBatchNorm; assert 'tensorflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_compare_numerics_on_a_replicator_already_in_use():
+    """What `%replicate --compare` does: the session's replicator, which holds earlier variables,
+    is the distributed side; only what setup builds is compared, earlier variables are untouched."""
+    repl = wb.replicator("mirrored", num_replicas=2)
+    with repl.context():
+        earlier = tf.Variable([5.0, 6.0], name="earlier")
+    x = np.random.default_rng(1).normal(size=(64, 8)).astype("float32")
+    table = wb.compare_numerics(sgd_setup, data=x, global_batch_size=32, replicas=repl, steps=2)
+    assert table.attrs["replicas"] == 2 and table.max_abs_diff.max() < 1e-6
+    names = set(table.name)
+    assert "earlier" not in names and sum(n.endswith("kernel") for n in names) == 2  # setup's model only
+    assert repl._created_variables[0] is earlier and earlier.numpy().tolist() == [5.0, 6.0]

@@ -1,6 +1,8 @@
 """The owned run loop and the input modes: caching, fusing, continuation, stops, checkpoints."""
 
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,3 +222,76 @@ def test_custom_input_split_fn_and_callable_input():
     outs = repl.run(lambda b: {"part": b}, input_fn)
     np.testing.assert_array_equal(outs[0]["part"].numpy(), [[0, 1], [4, 5], [8, 9]])
     np.testing.assert_array_equal(outs[1]["part"].numpy(), [[2, 3], [6, 7], [10, 11]])
+
+
+# ----- run ids, the started event, the optimizer-build log (issue 4 follow-ups) -------------
+RUN_ID = r"^\d{8}-\d{6}-[0-9a-f]{6}-\d{3,}$"
+
+
+def test_run_ids_are_unique_across_processes_and_sort_by_time():
+    code = "from workbench._src.run import Run\nprint(' '.join(Run({}).id for _ in range(3)))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)
+    ]
+    ids = [out.split() for out in (p.communicate(timeout=60)[0] for p in procs)]
+    flat = [i for per_process in ids for i in per_process]
+    assert len(flat) == 9 and len(set(flat)) == 9  # same second, same counters: still distinct
+    assert all(re.match(RUN_ID, i) for i in flat)
+    for per_process in ids:
+        assert per_process == sorted(per_process)  # one process: time, then its counter
+        assert len({i.split("-")[2] for i in per_process}) == 1  # one tag per process
+    here = wb.Run({}, name="mine")
+    assert re.match(RUN_ID, here.id) and here.name == "mine"
+    assert here.id[:15] <= time.strftime("%Y%m%d-%H%M%S")  # starts with the time: sortable
+
+
+def test_started_event_carries_the_run_name():
+    repl = wb.replicator("single")
+    run = repl.train(lambda b: {"m": tf.reduce_mean(b)}, counting_input, steps=2, name="baseline")
+    started = [e for e in run.events if e.kind == "started"][0]
+    assert started.data["name"] == "baseline" and started.data["config"]["steps"] == 2
+    assert started.data["first_step"] == 1 and started.run_id == run.id
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_the_optimizer_build_retrace_logs_no_coordinator_error_but_real_errors_still_do():
+    import keras
+
+    logger = logging.getLogger("tensorflow")
+    records, level = _Records(), logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)  # the coordinator logs at INFO, as a notebook may show
+    try:
+        repl = wb.replicator("mirrored", num_replicas=2)
+        with repl.context():
+            w = tf.Variable(tf.ones([1]))
+            opt = repl.wrap_optimizer(keras.optimizers.Adam(0.1))  # unbuilt: built on first trace
+
+        def step_fn(batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(batch * w)
+            opt.apply_gradients([(tape.gradient(loss, w), w)])
+            return {"loss": loss}
+
+        assert repl.train(step_fn, counting_input, steps=3).status == "finished"
+        assert not [m for m in records.messages if "Error reported to Coordinator" in m]
+
+        def broken_step(batch):
+            raise ValueError("a real mistake in step_fn")
+
+        try:
+            repl.train(broken_step, counting_input, steps=1)
+        except ValueError:
+            pass
+        assert [m for m in records.messages if "Error reported to Coordinator" in m and "real mistake" in m]
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)

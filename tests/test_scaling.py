@@ -165,3 +165,30 @@ def test_errors_say_what_was_received_and_the_fix(kwargs, pattern):
     args = {"step_fn": lambda b: {}, "input_fn": lambda ctx: None, **FAST, **kwargs}
     with pytest.raises(wb.WorkbenchError, match=pattern):
         scaling_study(**args)
+
+
+def test_input_context_carries_the_batch_size_when_a_study_prescribes_one():
+    from workbench._src.inputs import InputContext
+
+    plain = InputContext(None, 4)
+    assert plain.global_batch_size is None and plain.batch_size_per_replica is None
+    ctx = ScalingContext(None, 4, 0, 1, 4, global_batch_size=32, mode="strong")
+    assert isinstance(ctx, InputContext) and ctx.batch_size_per_replica == 8
+    assert InputContext(None, 4, 0, 1, 4, global_batch_size=32).batch_size_per_replica == 8
+
+
+@pytest.mark.parametrize("drop_remainder", [True, False])  # static shape, or checked in the pipeline
+def test_input_that_ignores_the_prescribed_batch_is_refused(drop_remainder):
+    def input_fn(ctx):
+        return (
+            tf.data.Dataset.from_tensors(tf.ones([FEATURES]))
+            .repeat()
+            .batch(16, drop_remainder=drop_remainder)
+        )
+
+    with pytest.raises(
+        wb.ConfigurationError,
+        match=r"weak scaling configuration \(2 replica\(s\)\) input_fn must yield batches of 32 "
+        r"\(ctx.global_batch_size\).*Fix: batch to the context's size",
+    ):
+        scaling_study(lambda b: {"s": tf.reduce_sum(b)}, input_fn, replicas=[1, 2], batch_size=16, **FAST)

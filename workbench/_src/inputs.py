@@ -42,6 +42,9 @@ class InputContext:
       worker_id: this worker's index; 0 on one machine.
       num_workers: workers in the run; 1 on one machine.
       replicas_per_worker: replicas fed by each worker.
+      global_batch_size: the batch of one step over all replicas when the caller prescribes one
+        (a scaling study does, per configuration); None when input_fn chooses its own batch
+        (repl.train, repl.run). Write `ctx.global_batch_size or 128` to serve both.
     """
 
     replica_id: int | None
@@ -49,6 +52,14 @@ class InputContext:
     worker_id: int = 0
     num_workers: int = 1
     replicas_per_worker: int = 1
+    global_batch_size: int | None = None
+
+    @property
+    def batch_size_per_replica(self) -> int | None:
+        """The batch each replica's step_fn sees when `global_batch_size` is set, else None."""
+        if self.global_batch_size is None:
+            return None
+        return self.per_replica_batch_size(self.global_batch_size)
 
     def per_replica_batch_size(self, global_batch_size: int) -> int:
         """The batch each replica sees when the whole run steps on `global_batch_size`."""

@@ -7,8 +7,12 @@ A thin layer over `workbench._src.session` (the same calls `wb.use`, the panel a
   %%replicate --steps 300 [--backend ...]      run the cell in repl.context() (`repl` is in
                                                scope), then train the step_fn/input_fn it defines
   %replicate step_fn input_fn --steps 300      train functions already defined
+  %%replicate --scaling 1,2,4,8 [--mode strong] a scaling study of the cell (or of named
+                                               functions: %replicate step_fn input_fn --scaling ...)
+  %%replicate --compare [--replicas 4]         one device vs the replicator, value by value
+                                               (or %replicate setup input_fn --compare)
 
-Mistakes raise UsageError (IPython shows the message without a traceback) saying the fix.
+The study forms live in `magic_studies.py`. Mistakes raise UsageError (IPython shows the message without a traceback) saying the fix.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
-from workbench._src import session
+from workbench._src import cells, magic_studies, session
 from workbench._src.errors import ConfigurationError, DeviceError
 
 USAGE = """Usage:
@@ -28,6 +32,12 @@ USAGE = """Usage:
   %replicate step_fn input_fn --steps 300      train functions defined in the notebook
   %%replicate --steps 300                      (a cell's first line) run the cell in
                                                repl.context(), then train its step_fn/input_fn
+  %%replicate --scaling 1,2,4,8 [--mode strong] scaling study: the cell is run once per replica
+                                               count (same initial weights), step_fn measured
+  %replicate step_fn input_fn --scaling 1,2,4  scaling study of notebook functions
+  %%replicate --compare [--replicas 4]         one device vs the replicator: the cell is run once
+                                               on each, differences per output and variable
+  %replicate setup input_fn --compare          the same with setup(repl) returning step_fn
 Every option: %replicate?"""
 
 
@@ -57,13 +67,31 @@ def _steps_per_execution(text: str):
     return "auto" if text.strip().lower() == "auto" else _positive_int(text)
 
 
+def _replica_counts(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        counts = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected replica counts separated by commas, such as 1,2,4,8; received {text!r}"
+        ) from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(
+            f"expected positive replica counts separated by commas, such as 1,2,4,8; received {text!r}"
+        )
+    return counts
+
+
 @magics_class
 class ReplicateMagics(Magics):
     """The workbench's magics; registered by `%load_ext workbench`."""
 
     @magic_arguments.magic_arguments()
     @magic_arguments.argument(
-        "functions", nargs="*", help="step_fn input_fn: names of notebook functions to train (line form)"
+        "functions",
+        nargs="*",
+        help="step_fn input_fn: names of notebook functions to train or study (line form); "
+        "with --compare: setup input_fn",
     )
     @magic_arguments.argument(
         "--backend",
@@ -83,7 +111,37 @@ class ReplicateMagics(Magics):
     )
     @magic_arguments.argument("--ps", type=_positive_int, metavar="N", help="parameter servers (async-ps)")
     @magic_arguments.argument(
-        "--steps", "-s", type=_steps, metavar="N", help="train this many steps (training forms)"
+        "--steps",
+        "-s",
+        type=_steps,
+        metavar="N",
+        help="train this many steps (training forms); measured steps per configuration "
+        "(--scaling, default 50); steps compared (--compare, default 1)",
+    )
+    @magic_arguments.argument(
+        "--scaling",
+        type=_replica_counts,
+        metavar="1,2,4,8",
+        help="scaling study over these replica counts (wb.scaling_study); returns a wb.ScalingStudy",
+    )
+    @magic_arguments.argument(
+        "--mode", choices=("weak", "strong"), help="--scaling: weak (default) or strong scaling"
+    )
+    @magic_arguments.argument(
+        "--warmup", type=_positive_int, metavar="N", help="--scaling: untimed steps first (default 10)"
+    )
+    @magic_arguments.argument(
+        "--batch-size",
+        type=_positive_int,
+        metavar="B",
+        help="--scaling: batch per replica (weak) or global (strong), default 32; input_fn reads "
+        "ctx.global_batch_size",
+    )
+    @magic_arguments.argument(
+        "--compare",
+        action="store_true",
+        help="one device on the global batch vs the replicator (wb.compare_numerics); returns "
+        "the DataFrame of differences",
     )
     @magic_arguments.argument(
         "--steps-per-execution",
@@ -108,17 +166,46 @@ class ReplicateMagics(Magics):
     def replicate(self, line: str = "", cell: str | None = None):
         """Sets the session's replicator, or trains step_fn/input_fn on it; training returns the wb.Run.
 
+        With --scaling it runs a scaling study and returns the wb.ScalingStudy; with --compare
+        it compares one device with the replicator and returns the DataFrame of differences.
+
         Examples:
           %replicate --backend mirrored --replicas 4
           %replicate step_fn input_fn --steps 300 --background
           %%replicate --steps 300
           model = make_model()
           ...
+          %%replicate --scaling 1,2,4,8 --mode strong --steps 50
+          %%replicate --compare --replicas 4 --steps 3
         """
         try:
             args = magic_arguments.parse_argstring(self.replicate, line)
         except UsageError as e:
             raise UsageError(f"%replicate {line.strip()!s}: {e}.\n{USAGE}") from None
+        if args.scaling is not None and args.compare:
+            raise UsageError(
+                "--scaling and --compare are two different studies; received both. Fix: run "
+                "them as two cells, e.g. %%replicate --compare --replicas 4, then "
+                "%%replicate --scaling 1,2,4."
+            )
+        if args.scaling is not None:
+            return magic_studies.scaling_form(self, args, cell)
+        study_only = [
+            flag
+            for flag, value in (
+                ("--mode", args.mode),
+                ("--warmup", args.warmup),
+                ("--batch-size", args.batch_size),
+            )
+            if value is not None
+        ]
+        if study_only:
+            raise UsageError(
+                f"{', '.join(study_only)} only apply to a scaling study, but this line has no --scaling. "
+                f"Fix: add the replica counts, e.g. --scaling 1,2,4,8 {' '.join(study_only)} ...\n{USAGE}"
+            )
+        if args.compare:
+            return magic_studies.compare_form(self, args, cell)
         if cell is not None:
             return self._cell_form(args, cell)
         if args.functions or args.steps is not None:
@@ -181,20 +268,51 @@ class ReplicateMagics(Magics):
             raise UsageError("How many steps? Fix: start the cell with %%replicate --steps 300.")
         repl = self._choose(args)
         self.shell.user_ns["repl"] = repl
-        code = self.shell.transform_cell(cell)  # magics and shell escapes inside still work
+        code = self.compile_cell(cell)
+        # A re-run of this cell first releases what its previous run left on the replicator
+        # (variables, compiled programs; see cells.py), so re-runs start clean.
+        with cells.owned_by_cell(repl, cells.cell_key(self.shell)) as owned:
+            with repl.context():  # the model and optimizer built here are replicated
+                exec(code, self.shell.user_ns)  # errors show as in any cell
+            step_fn, input_fn = self.defined_functions()
+            run = self._train(repl, step_fn, input_fn, args)
+            owned.track(run)
+        return run
+
+    # ----- shared with the study forms (magic_studies.py) ----------------------------------
+    def compile_cell(self, cell: str):
+        """The cell's code object; magics and shell escapes inside still work."""
+        code = self.shell.transform_cell(cell)
         filename = self.shell.compile.cache(code, self.shell.execution_count, raw_code=cell)
-        with repl.context():  # the model and optimizer built here are replicated
-            exec(compile(code, filename, "exec"), self.shell.user_ns)  # errors show as in any cell
-        missing = [n for n in ("step_fn", "input_fn") if not callable(self.shell.user_ns.get(n))]
+        return compile(code, filename, "exec")
+
+    def defined_functions(self, ns: dict | None = None):
+        """(step_fn, input_fn) from the namespace (the notebook's) after a %%replicate cell ran."""
+        ns = self.shell.user_ns if ns is None else ns
+        missing = [n for n in ("step_fn", "input_fn") if not callable(ns.get(n))]
         if missing:
             raise UsageError(
                 f"The %%replicate cell must define step_fn(batch) and input_fn(ctx); {' and '.join(missing)} "
                 "is not defined (or not a function). Fix: add e.g.\n"
                 "  def input_fn(ctx): return dataset\n  def step_fn(batch): ...; return {'loss': loss}"
             )
-        return self._train(repl, self.shell.user_ns["step_fn"], self.shell.user_ns["input_fn"], args)
+        return ns["step_fn"], ns["input_fn"]
+
+    def lookup_functions(self, names: list[str], roles: tuple[str, str], options: str):
+        """The two named notebook functions, checked (defined, callable, not swapped)."""
+        first, second = (self._lookup(name, role) for name, role in zip(names, roles))
+        if "input" in names[0] and "input" not in names[1]:
+            raise UsageError(
+                f"The functions look swapped: received {names[0]} {names[1]}. The {roles[0]} comes "
+                f"first. Fix: %replicate {names[1]} {names[0]} {options}."
+            )
+        return first, second
 
     # ----- helpers ------------------------------------------------------------------------
+    def choose(self, args):
+        """The replicator the options name (and make the session's), or the session's."""
+        return self._choose(args)
+
     def _choose(self, args):
         if not _choice_given(args):
             repl = session.current_or_none()

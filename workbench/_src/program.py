@@ -14,10 +14,12 @@ from __future__ import annotations
 import inspect
 import numbers
 import re
+import weakref
 from collections.abc import Callable
 
 import numpy as np
 
+from workbench._src import reaper
 from workbench._src.errors import InputError, StepFunctionError, WorkbenchError
 from workbench._src.inputs import SPLIT_ASSERT_MARKER, distribute_input
 from workbench._src.optimizer import OptimizerNeedsBuild
@@ -45,6 +47,10 @@ class Program:
             worker_id=replicator.worker_id,
         )
         self.iterator = iter(self.dataset)
+        # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
+        # (reaper.py); when this program is garbage, its iterator is deleted on the reaper thread,
+        # not on whichever thread (the notebook's, a training run's) the garbage collector runs.
+        weakref.finalize(self, reaper.discard_iterators, [self.iterator]).atexit = False
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
         self.metric_names: list[str] | None = None  # scalar outputs, found while tracing
         t = tf()

@@ -8,12 +8,31 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 _ids = itertools.count(1)
+
+
+def _new_process_tag() -> str:
+    # Random, not the pid: containers (every kernel pid 1) and machines sharing a runs directory
+    # repeat pids. 6 hex digits: two kernels starting runs in the same second with the same
+    # counter collide with probability 1 in 16 million.
+    return secrets.token_hex(3)
+
+
+_process_tag = _new_process_tag()
+if hasattr(os, "register_at_fork"):  # a forked worker must not share its parent's tag
+
+    def _retag_after_fork() -> None:
+        global _process_tag
+        _process_tag = _new_process_tag()
+
+    os.register_at_fork(after_in_child=_retag_after_fork)
 
 Status = str  # "created" | "running" | "finished" | "stopped" | "interrupted" | "non-finite" | "failed"
 
@@ -22,7 +41,8 @@ Status = str  # "created" | "running" | "finished" | "stopped" | "interrupted" |
 class Event:
     """Something that happened in a run. kind: started | metrics | checkpoint | message | ended.
 
-    `data` for metrics: {"rows": [ {step, wall_time, examples_per_sec, <metrics>}, ... ]}.
+    `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
+    for metrics: {"rows": [ {step, wall_time, examples_per_sec, <metrics>}, ... ]}.
     """
 
     kind: str
@@ -37,7 +57,10 @@ class Run:
 
     def __init__(self, config: dict, name: str | None = None):
         number = next(_ids)
-        self.id = f"{time.strftime('%Y%m%d-%H%M%S')}-{number:03d}"
+        # <time>-<process tag>-<counter>: sorts by time (to the second), unique across processes
+        # (the tag) and within one (the counter); the counter stays last, so 'run 3' can be read
+        # back from an id.
+        self.id = f"{time.strftime('%Y%m%d-%H%M%S')}-{_process_tag}-{number:03d}"
         self.name = name or f"run {number}"
         self.config = dict(config)
         self.status: Status = "created"
@@ -72,6 +95,11 @@ class Run:
     @property
     def running(self) -> bool:
         return self.status == "running"
+
+    @property
+    def ended(self) -> bool:
+        """True once the run has ended, whatever its status (False while created or running)."""
+        return self._done.is_set()
 
     def summary(self) -> dict:
         """Steps, time, steady throughput and the last value of each metric."""

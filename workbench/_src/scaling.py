@@ -35,21 +35,16 @@ REFERENCES = {"tf-replicator-resnet50": ("TF-Replicator ResNet-50 (paper)", TF_R
 
 @dataclasses.dataclass(frozen=True)
 class ScalingContext(InputContext):
-    """The InputContext a scaling study gives input_fn and setup: it also carries the batch size.
+    """The InputContext a scaling study gives input_fn and setup; `global_batch_size` is always set.
+
+    input_fn batches its dataset to `ctx.global_batch_size` (PER_WORKER input, the default) or to
+    `ctx.batch_size_per_replica` (PER_REPLICA input); the study refuses batches of another size.
 
     Attributes (besides InputContext's):
-      global_batch_size: the batch of one step over all replicas; input_fn batches its dataset to
-        this (PER_WORKER input, the default) or to `batch_size_per_replica` (PER_REPLICA input).
       mode: "weak" or "strong".
     """
 
-    global_batch_size: int = 0
     mode: str = "weak"
-
-    @property
-    def batch_size_per_replica(self) -> int:
-        """The batch each replica's step_fn sees."""
-        return self.per_replica_batch_size(self.global_batch_size)
 
 
 def batch_sizes(mode: Mode, batch_size: int, replicas: int) -> tuple[int, int]:
@@ -275,6 +270,7 @@ def scaling_study(
       [16, 32]
     """
     from workbench._src.backends import replicator as make_replicator
+    from workbench._src.reaper import discard_programs
     from workbench._src.scaling_plot import live_sink
     from workbench._src.tf_setup import device_summary
 
@@ -311,9 +307,17 @@ def scaling_study(
             global_batch, per_replica = batch_sizes(mode, batch_size, n)
             ctx = ScalingContext(None, n, 0, 1, n, global_batch_size=global_batch, mode=mode)
             step, inputs = _build(repl, setup, step_fn, input_fn, ctx, seed)
-            wrapped = _with_context(inputs, global_batch, mode)
+            wrapped = _with_context(inputs, global_batch, mode, check_batch=repl.input_split_fn is None)
             options = {"steps_per_execution": steps_per_execution, "reduce": reduce}
-            warm = repl.train(step, wrapped, steps=warmup, name=f"scaling {mode} n={n} warm-up", **options)
+            try:
+                warm = repl.train(
+                    step, wrapped, steps=warmup, name=f"scaling {mode} n={n} warm-up", **options
+                )
+            except Exception as e:  # noqa: BLE001 - re-raised, translated when it is our assertion
+                translated = _translated_batch_error(e, ctx)
+                if translated is e:
+                    raise
+                raise translated from None
             run = repl.train(step, wrapped, steps=steps, name=f"scaling {mode} n={n}", **options)
             study.runs[n] = run
             eps = run.history["examples_per_sec"].dropna().to_numpy()  # per step, from chunk times
@@ -323,6 +327,10 @@ def scaling_study(
                  **step_time_stats(global_batch / eps), "compile_seconds": warm.compile_seconds,
                  "backend": repl.backend, **_honesty(repl.describe(), devices)}
             )  # fmt: skip
+            # This configuration is done: delete its input iterator now, off the main thread
+            # (reaper.py), rather than freeze the notebook whenever the garbage collector finds it.
+            discard_programs(repl._programs.values())
+            repl._programs.clear()
             if path is not None:
                 study.path = study.save(path)
             if sink is not None:
@@ -352,15 +360,74 @@ def _build(repl, setup, step_fn, input_fn, ctx, seed):
     return built
 
 
-def _with_context(input_fn: Callable, global_batch: int, mode: str) -> Callable:
-    """input_fn wrapped so it receives a ScalingContext (the core builds a plain InputContext)."""
+def _with_context(input_fn: Callable, global_batch: int, mode: str, check_batch: bool = True) -> Callable:
+    """input_fn wrapped so it receives a ScalingContext (the core builds a plain InputContext).
+
+    With check_batch, a batch of another size than the configuration's is refused: the study's
+    throughput is global batch / step time, so an input_fn that ignores ctx.global_batch_size
+    would make every number wrong without any error.
+    """
 
     def scaling_input_fn(ctx: InputContext):
         fields = {f.name: getattr(ctx, f.name) for f in dataclasses.fields(InputContext)}
-        return call_input_fn(input_fn, ScalingContext(**fields, global_batch_size=global_batch, mode=mode))
+        fields["global_batch_size"] = global_batch
+        scaling_ctx = ScalingContext(**fields, mode=mode)
+        dataset = call_input_fn(input_fn, scaling_ctx)
+        return _check_batch_size(dataset, scaling_ctx) if check_batch else dataset
 
     scaling_input_fn.__name__ = getattr(input_fn, "__name__", "input_fn")
     return scaling_input_fn
+
+
+def _check_batch_size(dataset, ctx: ScalingContext):
+    """Refuses batches of another size than this configuration's: statically when the shape is
+    known, else with an assertion in the pipeline (reported by `_batch_size_error`)."""
+    from workbench._src.tf_setup import tf
+
+    t = tf()
+    per_replica = ctx.replica_id is not None  # PER_REPLICA input: one replica's batch
+    expected = ctx.batch_size_per_replica if per_replica else ctx.per_worker_batch_size(ctx.global_batch_size)
+    name = "ctx.batch_size_per_replica" if per_replica else "ctx.global_batch_size"
+    leaves = t.nest.flatten(dataset.element_spec)
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    if shape is None or shape.rank in (None, 0):
+        return dataset  # not a batch: the run loop reports it
+    if shape[0] is not None:
+        if shape[0] != expected:
+            raise _batch_size_error(ctx, expected, name, f"{shape[0]} (element_spec={dataset.element_spec})")
+        return dataset
+
+    def assert_batch(*element):  # e.g. batch() without drop_remainder: the size is unknown here
+        first = t.nest.flatten(element)[0]
+        check = t.debugging.assert_equal(
+            t.shape(first)[0], expected, message=f"{BATCH_ASSERT_MARKER} {expected} {name}"
+        )
+        with t.control_dependencies([check]):
+            element = t.nest.map_structure(t.identity, element)
+        return element[0] if len(element) == 1 else element
+
+    return dataset.map(assert_batch)
+
+
+BATCH_ASSERT_MARKER = "workbench: scaling study batch size must be"
+
+
+def _batch_size_error(ctx, expected: int, name: str, received: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"In this {ctx.mode} scaling configuration ({ctx.num_replicas} replica(s)) input_fn must "
+        f"yield batches of {expected} ({name}), but it yields {received}. The study computes "
+        f"examples/s from the prescribed batch. Fix: batch to the context's size, e.g. "
+        f"`.batch({name}, drop_remainder=True)`."
+    )
+
+
+def _translated_batch_error(error: BaseException, ctx) -> BaseException:
+    """The pipeline assertion of `_check_batch_size` as a ConfigurationError; others unchanged."""
+    text = str(error)
+    if BATCH_ASSERT_MARKER not in text:
+        return error
+    expected, name = text.split(BATCH_ASSERT_MARKER, 1)[1].split()[:2]  # TF may add "]" after it
+    return _batch_size_error(ctx, int(expected), name.rstrip("].,'\""), "batches of another size")
 
 
 def _honesty(described: dict, devices: dict) -> dict:
