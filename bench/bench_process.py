@@ -102,13 +102,15 @@ def main():
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads per worker/server")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    # This process (the single-device anchor, and the async-ps coordinator) gets the same
+    # thread limit as each worker; set before TensorFlow initialises.
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import workbench as wb
 
     wb.configure_devices(cpus=1)
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
-    tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     setup = digits_setup(args.batch, args.threads)
     cloudpickle.register_pickle_by_value(__import__("__main__"))
     print(

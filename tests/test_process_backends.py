@@ -427,3 +427,65 @@ def test_killed_kernel_leaves_no_processes(tmp_path):
     finally:
         if kernel.poll() is None:
             kernel.kill()
+
+
+# ----- from a notebook: the %%replicate cell ------------------------------------------------------
+PROCESS_CELL = """
+import keras
+import numpy as np
+import tensorflow as tf
+
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
+features = np.random.RandomState(1).randn(256, 8).astype("float32")
+targets = features @ np.linspace(-1, 1, 8, dtype="float32")[:, None]
+
+def input_fn(ctx):
+    return tf.data.Dataset.from_tensor_slices((features, targets)).repeat().batch(32)
+
+def step_fn(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    return {"loss": loss}
+"""
+
+
+@pytest.fixture
+def notebook(tmp_path):
+    from notebook_toy import ipython_shell, isolated_notebook_state
+
+    shell = ipython_shell()
+    with isolated_notebook_state(tmp_path / "runs"):
+        for name in ("model", "step_fn", "input_fn", "repl"):
+            shell.user_ns.pop(name, None)
+        yield shell
+
+
+def test_replicate_cell_on_multi_worker_trains_in_workers_and_returns_the_weights(notebook):
+    run = notebook.run_cell_magic(
+        "replicate", "--backend multi-worker --workers 2 --steps 150 --no-live", PROCESS_CELL
+    )
+    assert isinstance(run, wb.Run) and run.status == "finished" and run.steps == 150
+    assert run.config["backend"] == "multi-worker" and run.config["num_workers"] == 2
+    history = run.history
+    assert history["loss"].iloc[-10:].mean() < 0.1 * history["loss"].iloc[:10].mean()
+    # The notebook's `model` was built by the cell here and now holds the chief's trained weights.
+    model = notebook.user_ns["model"]
+    x = np.random.RandomState(2).randn(64, 8).astype("float32")
+    target = x @ np.linspace(-1, 1, 8, dtype="float32")[:, None]
+    assert float(np.mean((model(x).numpy() - target) ** 2)) < 0.1 * float(np.mean(target**2))
+    assert any("trained weights" in e.data.get("text", "") for e in run.events if e.kind == "message")
+    assert wb.runs()["id"].str.contains(run.id).any()  # recorded in the run store like any run
+
+
+def test_replicate_cell_on_async_ps_trains_from_the_kernel(notebook):
+    notebook.run_line_magic("replicate", "--backend async-ps --workers 2 --ps 1")
+    repl = wb.current()
+    try:
+        run = notebook.run_cell_magic("replicate", "--steps 200 --no-live", PROCESS_CELL)
+        assert run.status == "finished" and run.steps == 200 and run.executed_steps >= 200
+        assert run.config["synchronous"] is False and set(run.history["workers"]) == {2}
+        assert run.history["loss"].iloc[-10:].mean() < 0.1 * run.history["loss"].iloc[:10].mean()
+    finally:
+        repl.shutdown()

@@ -268,6 +268,10 @@ class ReplicateMagics(Magics):
             raise UsageError("How many steps? Fix: start the cell with %%replicate --steps 300.")
         repl = self._choose(args)
         self.shell.user_ns["repl"] = repl
+        if getattr(repl, "runs_in_processes", False):
+            # multi-worker: the cell runs here (to define its names and model) and in every
+            # worker process; the trained weights come back into this cell's variables.
+            return self._train(repl, None, None, args, cell=self.shell.transform_cell(cell))
         code = self.compile_cell(cell)
         # A re-run of this cell first releases what its previous run left on the replicator
         # (variables, compiled programs; see cells.py), so re-runs start clean.
@@ -350,7 +354,7 @@ class ReplicateMagics(Magics):
             )
         return value
 
-    def _train(self, repl, step_fn, input_fn, args):
+    def _train(self, repl, step_fn, input_fn, args, cell: str | None = None):
         return session.train(
             repl,
             step_fn,
@@ -361,6 +365,8 @@ class ReplicateMagics(Magics):
             live=not args.no_live,
             checkpoint_dir=args.checkpoint,
             logdir=args.logdir,
+            cell=cell,
+            namespace=self.shell.user_ns,
         )
 
 

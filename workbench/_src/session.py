@@ -237,6 +237,8 @@ def train(
     checkpoint_dir: str | None = None,
     logdir: str | None = None,
     dashboard=None,
+    cell: str | None = None,
+    namespace: dict | None = None,
 ):
     """Trains as the magic and the panel do: recorded in the run store, with a live dashboard.
 
@@ -247,6 +249,8 @@ def train(
       live: show the live dashboard and progress bar (a new one, displayed now).
       logdir: record this run under logdir/<run id> instead of the runs directory.
       dashboard: an existing Dashboard sink to use instead of a new one (the panel's).
+      cell, namespace: a %%replicate cell's source and the notebook namespace, for backends
+        whose steps run in other processes (multi-worker): the source travels, not functions.
     """
     from workbench._src import runstore
 
@@ -258,15 +262,17 @@ def train(
     sinks = [dashboard] if dashboard is not None else []
     try:
         with runstore.directory(logdir):
-            run = repl.train(
-                step_fn,
-                input_fn,
-                steps,
+            options = dict(
                 steps_per_execution=steps_per_execution,
                 checkpoint_dir=checkpoint_dir,
                 background=background,
                 sinks=sinks,
             )
+            if cell is not None and getattr(repl, "runs_in_processes", False):
+                # multi-worker from a notebook: the cell's source runs in every worker process
+                run = repl.train_cell(cell, namespace, steps, **options)
+            else:
+                run = repl.train(step_fn, input_fn, steps, **options)
     except BaseException:
         if dashboard is not None and not dashboard.started:
             dashboard.close()  # the run never started: leave no empty dashboard behind

@@ -97,6 +97,11 @@ class MultiWorkerReplicator(Replicator):
 
     # ----- what both faces share ---------------------------------------------------------
     @property
+    def runs_in_processes(self) -> bool:
+        """True for the launcher: steps run in worker processes, not in this one."""
+        return not self._in_cluster
+
+    @property
     def in_cluster(self) -> bool:
         """True inside a worker (or a process given `cluster=`): the strategy runs here."""
         return self._in_cluster
