@@ -4,7 +4,7 @@ with one device on the global batch, outputs, placement. Missing hardware skips 
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import make_mlp, toy_data
+from toy_models import make_mlp, toy_data
 
 import workbench as wb
 

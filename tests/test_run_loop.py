@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from conftest import make_mlp, toy_data
+from toy_models import make_mlp, toy_data
 
 import workbench as wb
 

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import tensorflow as tf
-from conftest import FEATURES, make_mlp, toy_data
+from toy_models import FEATURES, make_mlp, toy_data
 
 import workbench as wb
 from workbench._src.scaling import (

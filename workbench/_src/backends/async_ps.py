@@ -48,6 +48,22 @@ CHUNK_SECONDS = 0.2
 _connected = None  # weakref to the replicator whose cluster this process uses (one at a time)
 
 
+_warned_about_rename = False
+
+
+def _warn_about_rename() -> None:
+    global _warned_about_rename
+    _warned_about_rename = True
+    warnings.warn(
+        "This process is now the coordinator of an async-ps cluster. Connecting renames its "
+        "TensorFlow job from 'localhost' to 'chief', so variables created in this process before "
+        "(a model trained on another backend, say) can no longer be read. Evaluate or save them "
+        "before the first async-ps run, or build them again afterwards.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 class MultiWorkerAsyncReplicator(Replicator):
     """Asynchronous data parallelism: workers step independently on parameter-server variables.
 
@@ -122,6 +138,8 @@ class MultiWorkerAsyncReplicator(Replicator):
             # One process talks to one cluster: connecting rewires TensorFlow's context.
             previous.shutdown(reason="another async-ps replicator connected")
         resolver = self._resolver()
+        if not _warned_about_rename:
+            _warn_about_rename()
         strategy = t.distribute.ParameterServerStrategy(resolver)
         self.coordinator = t.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
