@@ -30,8 +30,16 @@ def tf():
 def _import_tensorflow():
     global _module
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep CUDA-probe noise out of notebooks
+    import logging
+
     import tensorflow
 
+    # tf.distribute logs its device lists and reduction plans at INFO on the "tensorflow"
+    # logger; in a notebook that lands under every cell. Keep warnings; a user who wants the
+    # chatter sets the level back (tf.get_logger().setLevel("INFO")).
+    tf_logger = logging.getLogger("tensorflow")
+    if tf_logger.level in (logging.NOTSET, logging.INFO, logging.DEBUG):
+        tf_logger.setLevel(logging.WARNING)
     _apply_layout(tensorflow)
     _module = tensorflow
     return tensorflow
