@@ -40,10 +40,10 @@ def test_devices_and_choices_that_cannot_work(panel):
     buttons = panel._backend_buttons
     assert list(buttons) == ["single", "mirrored", "multi-worker", "async-ps", "tpu"]
     assert not buttons["single"].disabled and not buttons["mirrored"].disabled
-    for name in ("multi-worker", "async-ps"):
-        assert buttons[name].disabled and "not available in this version" in buttons[name].tooltip
+    for name in ("multi-worker", "async-ps"):  # process backends: local workers on 127.0.0.1
+        assert not buttons[name].disabled, buttons[name].tooltip
     assert buttons["tpu"].disabled and "no TPU" in buttons["tpu"].tooltip
-    assert panel._async_button.disabled and "not available" in panel._async_button.tooltip
+    assert not panel._async_button.disabled
     assert "tpu: no TPU" in panel._reasons.value
     with pytest.raises(traitlets.TraitError, match="backend 'tpu' cannot be chosen here: no TPU"):
         panel.backend = "tpu"
