@@ -17,3 +17,11 @@ wb.configure_devices(cpus=8)
 @pytest.fixture
 def data():
     return toy_data()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # If an input iterator's deletion hangs at exit, the reaper ends the process after a bounded
+    # wait (workbench/_src/reaper.py); tell it the status to end with.
+    from workbench._src import reaper
+
+    reaper.exit_code_hint = int(exitstatus)

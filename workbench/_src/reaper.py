@@ -61,18 +61,40 @@ def _reap() -> None:
         del iterators
 
 
+EXIT_WAIT_S = 20.0
+exit_code_hint: int | None = None  # the exit status a host (pytest's conftest) knows it will return
+
+
 @atexit.register
 def _finish_at_exit() -> None:
-    """Lets the reaper finish before the interpreter shuts down.
+    """Lets the reaper finish before the interpreter shuts down, for EXIT_WAIT_S at most.
 
     A daemon thread still inside TensorFlow's deletion when Python finalizes is torn down
     mid-C++ call ("FATAL: exception not rethrown", the process aborts), so exit waits for the
     queued deletions: they would otherwise have run at exit on the main thread anyway.
+
+    Measured: one deletion can also never end (its tf.data thread never finishes), which made
+    `python -m pytest` hang after printing its summary. So the wait is bounded; past it the
+    process ends at once with os._exit, keeping the exit status when it is known
+    (`exit_code_hint`, or 1 after an uncaught exception, else 0).
     """
     global _closed
     with _lock:
         _closed = True
         thread = _thread
-    if thread is not None and thread.is_alive():
-        _queue.put(None)
-        thread.join()
+    if thread is None or not thread.is_alive():
+        return
+    _queue.put(None)
+    thread.join(EXIT_WAIT_S)
+    if thread.is_alive():
+        import os
+        import sys
+
+        code = exit_code_hint if exit_code_hint is not None else (1 if hasattr(sys, "last_value") else 0)
+        sys.stderr.write(
+            f"workbench: deleting a TensorFlow input iterator did not finish within {EXIT_WAIT_S:.0f} s "
+            f"at exit; exiting now (status {code}).\n"
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
