@@ -480,7 +480,14 @@ class _AsyncLoop:
             if not in_flight:
                 break
             remote, chunk = in_flight.pop(0)
-            rows, done = self._fetch(remote)
+            fetched = self._fetch(remote)
+            if fetched is None:  # lost with a dead worker and not re-run by TensorFlow: run it again
+                in_flight.append((program.schedule(chunk), chunk))
+                run.publish(
+                    "message", text=f"a chunk of {chunk} steps was lost with a worker; scheduled again"
+                )
+                continue
+            rows, done = fetched
             now = time.perf_counter()
             if first:
                 run.compile_seconds = now - start
@@ -516,6 +523,14 @@ class _AsyncLoop:
                 continue
             except Exception as e:  # noqa: BLE001
                 self.repl._check_servers(self.run)  # a dead PS explains a fetch failure best
+                t = tf()
+                lost = (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)
+                if isinstance(e, lost) and self.repl.group is not None:
+                    # Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
+                    # mid-transfer can still fail like this. The PS is alive (checked above).
+                    if self.repl.live_workers() == 0:
+                        raise WorkerError("every async-ps worker has died; training cannot go on.") from None
+                    return None
                 raise _translated_input_error(e) from None
 
     def _steps_to_next_checkpoint(self, scheduled: int) -> int:
