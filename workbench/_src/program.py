@@ -93,8 +93,12 @@ class Program:
                 break
             per_replica = strategy.run(self._metrics_step, args=(optional.get_value(),))
             rows = rows.write(i, strategy.reduce("SUM", per_replica, axis=None))
+            self._step_taken()
             done = i + 1
         return rows.stack(), done
+
+    def _step_taken(self):
+        """Traced once per step of the fused loop; a subclass may count steps here (async-ps does)."""
 
     # ----- host side ----------------------------------------------------------------------
 
