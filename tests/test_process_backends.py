@@ -20,6 +20,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import tensorflow as tf
+from IPython.core.error import UsageError
 
 import workbench as wb
 from workbench._src.local_cluster import Channel, ProcessGroup
@@ -106,10 +107,18 @@ def conformance_on_worker(repl):
     probe = [tf.nest.map_structure(lambda v: v.numpy(), out) for out in repl.run(probe_step, probe_input)]
     sgd = train_regression(repl, "SGD", 1)
     adam = train_regression(repl, "Adam", 20)
+    # A custom input_split_fn (every n-th example) cuts the same global batch over the whole run.
+    repl.input_split_fn = lambda batch, n: [tuple(t[i::n] for t in batch) for i in range(n)]
+    strided = train_regression(repl, "SGD", 3)
+    (split,) = repl.run(
+        lambda x, y: {"rows": tf.shape(x)[0], "firsts": repl.all_gather(x[:1, 0])}, regression_input_fn
+    )
     return {
         "probe": probe,
         "sgd": sgd,
         "adam": adam,
+        "strided_sgd": strided,
+        "split": tf.nest.map_structure(lambda v: v.numpy(), split),
         "worker_id": repl.worker_id,
         "num_replicas": repl.num_replicas,
         "tf_config": os.environ["TF_CONFIG"],
@@ -132,7 +141,12 @@ def test_multi_worker_conformance_matches_one_device():
     reference = wb.NonReplicator()
     sgd_weights, _ = train_regression(reference, "SGD", 1)
     adam_weights, adam_losses = train_regression(reference, "Adam", 20)
+    _, sgd3_losses = train_regression(reference, "SGD", 3)
     for r in results:  # every worker holds the same (mirrored) weights
+        np.testing.assert_allclose(r["strided_sgd"][1], sgd3_losses, atol=1e-5)
+        # Replica i of the run got examples i, i+2, ... of the global batch of 16.
+        assert r["split"]["rows"] == GLOBAL_BATCH // 2
+        np.testing.assert_allclose(r["split"]["firsts"], X[:2, 0])
         for got, want in zip(r["sgd"][0], sgd_weights):
             np.testing.assert_allclose(got, want, atol=1e-5)
         for got, want in zip(r["adam"][0], adam_weights):
@@ -383,6 +397,60 @@ def test_replicate_cell_on_multi_worker_trains_in_workers_and_returns_the_weight
     assert float(np.mean((model(x).numpy() - target) ** 2)) < 0.1 * float(np.mean(target**2))
     assert any("trained weights" in e.data.get("text", "") for e in run.events if e.kind == "message")
     assert wb.runs()["id"].str.contains(run.id).any()  # recorded in the run store like any run
+
+
+# ----- scaling studies on worker processes ----------------------------------------------------
+def study_regression_setup(repl, ctx):
+    """regression_setup batched as the study prescribes: every worker yields the global batch and
+    tf.distribute keeps each worker's share, so 1 and 2 workers step on the same global batches."""
+    step_fn, _ = regression_setup(repl)
+
+    def input_fn(ctx):
+        data = tf.data.Dataset.from_tensor_slices((X, Y))
+        return data.repeat().batch(ctx.global_batch_size, drop_remainder=True)
+
+    return step_fn, input_fn
+
+
+def test_scaling_study_on_worker_processes(tmp_path):
+    study = wb.scaling_study(
+        setup=study_regression_setup, backend="multi-worker", replicas=[1, 2], mode="strong",
+        batch_size=32, steps=20, warmup=10, steps_per_execution=5, path=tmp_path / "study.png", live=False,
+    )  # fmt: skip
+    table = study.table
+    assert list(table["replicas"]) == [1, 2] and list(table["global_batch"]) == [32, 32]
+    assert list(table["per_replica_batch"]) == [32, 16] and list(table["steps"]) == [20, 20]
+    assert table[["step_time_median_s", "step_time_p90_s", "compile_seconds"]].notna().all().all()
+    assert (table["compile_seconds"] > 0).all()  # the warm-up's, measured in the workers
+    assert table["efficiency"].iloc[1] == pytest.approx(
+        (table["step_time_median_s"].iloc[0] / table["step_time_median_s"].iloc[1]) / 2
+    )
+    # Honest about the hardware: two worker processes share this machine's cores.
+    assert list(table["devices_kind"]) == ["CPU process"] * 2
+    assert "2 worker processes" in table["threads_note"].iloc[1] and table["shared_cores"].iloc[1]
+    # Every configuration starts from the same weights (seeded setup in each worker) and steps on
+    # the same global batches, so after the same warm-up the first measured loss agrees.
+    first = [study.runs[n].history["loss"].iloc[0] for n in (1, 2)]
+    assert first[0] == pytest.approx(first[1], rel=1e-4)
+    assert len(study.runs[2].history) == 20
+    assert (tmp_path / "study.png").stat().st_size > 10_000
+
+
+def test_replicate_scaling_cell_on_multi_worker(notebook):
+    cell = PROCESS_CELL.replace(".batch(32)", ".batch(ctx.global_batch_size, drop_remainder=True)")
+    options = "--backend multi-worker --steps 10 --warmup 5 --steps-per-execution 5 --no-live"
+    study = notebook.run_cell_magic("replicate", f"{options} --scaling 1,2", cell)
+    assert isinstance(study, wb.ScalingStudy)
+    assert list(study.table["replicas"]) == [1, 2] and list(study.table["global_batch"]) == [32, 64]
+    assert study.table["examples_per_sec"].notna().all() and list(study.table["steps"]) == [10, 10]
+    # The cell also ran here first (its mistakes would show at once); the session's repl is back.
+    assert "model" in notebook.user_ns and "repl" not in notebook.user_ns
+    # A cell that ignores the prescribed batch is refused with the study's own message, although
+    # the mismatch is found inside a worker process.
+    with pytest.raises(UsageError, match=r"must yield batches of 64 \(ctx.global_batch_size\).*Fix"):
+        notebook.run_cell_magic(
+            "replicate", f"{options} --scaling 1 --mode strong --batch-size 64", PROCESS_CELL
+        )
 
 
 # ----- async-ps: in a pytest process of its own ---------------------------------------------------

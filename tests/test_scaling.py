@@ -159,6 +159,7 @@ def test_live_plot_updates_one_display_in_place(monkeypatch):
         ({"replicas": [0, 2]}, r"replicas must be a list of positive integers.*received \[0, 2\]"),
         ({"replicas": [1, 16]}, r"needs 16 devices"),
         ({"reference": "nope"}, r"Unknown reference 'nope'"),
+        ({"backend": "async-ps"}, r"synchronous steps.*received backend='async-ps'.*Fix: backend='mirrored'"),
     ],
 )
 def test_errors_say_what_was_received_and_the_fix(kwargs, pattern):

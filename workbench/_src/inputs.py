@@ -71,7 +71,10 @@ class InputContext:
         return global_batch_size // self.num_replicas
 
     def per_worker_batch_size(self, global_batch_size: int) -> int:
-        """The global batch this worker's pipeline yields (its replicas together)."""
+        """This worker's share of a global batch: what its replicas take together per step.
+
+        A PER_WORKER input_fn still yields the *global* batch on every worker (as on one
+        machine); tf.distribute keeps each worker's share (auto-sharding by data)."""
         return self.per_replica_batch_size(global_batch_size) * self.replicas_per_worker
 
 
@@ -131,7 +134,9 @@ def distribute_input(
     if replication is InputReplication.PER_WORKER and input_split_fn is None:
         ctx = InputContext(None, num_replicas, worker_id, num_workers, local)
         dataset = call_input_fn(input_fn, ctx)
-        dataset = _check_even_split(dataset, local)
+        # Every worker's pipeline yields global batches; tf.distribute cuts each into
+        # num_replicas parts and keeps this worker's (data auto-sharding), so it must divide.
+        dataset = _check_even_split(dataset, num_replicas)
         options = t.distribute.InputOptions(experimental_fetch_to_device=True)
         return strategy.experimental_distribute_dataset(dataset, options)
 
@@ -149,17 +154,22 @@ def distribute_input(
             order = t.data.Dataset.range(local).repeat()
             return t.data.Dataset.choose_from_datasets(pipelines, order)
         dataset = call_input_fn(input_fn, InputContext(None, num_replicas, wid, num_workers, local))
-        return dataset.flat_map(functools.partial(_split_to_elements, input_split_fn, local))
+        # As with the default split: the pipeline yields global batches, cut into one part per
+        # replica of the run; this worker keeps its replicas' parts (all of them on one machine).
+        split = functools.partial(_split_to_elements, input_split_fn, num_replicas, wid * local, local)
+        return dataset.flat_map(split)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
 
 
-def _split_to_elements(input_split_fn, n, *batch):
+def _split_to_elements(input_split_fn, n, first, count, *batch):
+    """A global batch cut into n parts by input_split_fn; parts first..first+count-1 as elements."""
     t = tf()
     batch = batch[0] if len(batch) == 1 else batch
     parts = list(input_split_fn(batch, n))
     if len(parts) != n:
         raise InputError(f"input_split_fn must return one part per replica ({n}); it returned {len(parts)}.")
+    parts = parts[first : first + count]
     out = t.data.Dataset.from_tensors(parts[0])
     for part in parts[1:]:
         out = out.concatenate(t.data.Dataset.from_tensors(part))

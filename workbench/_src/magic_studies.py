@@ -27,7 +27,8 @@ def scaling_form(magics, args, cell: str | None):
     _refuse(
         args,
         "--scaling",
-        "a scaling study builds one replicator per count in --scaling and measures in the foreground",
+        "a scaling study builds one replicator per count in --scaling (on multi-worker, "
+        "the counts are replicas: one worker each on CPUs) and measures in the foreground",
         background=args.background,
         checkpoint=args.checkpoint,
         logdir=args.logdir,
@@ -49,23 +50,28 @@ def scaling_form(magics, args, cell: str | None):
     if args.steps_per_execution != "auto":
         options["steps_per_execution"] = args.steps_per_execution
     ns = magics.shell.user_ns
+    previous = ns.get("repl", _MISSING)
     if cell is not None:
         _no_function_names(args, "%%replicate --scaling 1,2,4")
-        code = magics.compile_cell(cell)
+        if options["backend"] == "multi-worker":  # the cell runs here once, then in the workers
+            call = lambda: scaling_study(  # noqa: E731
+                setup=_cell_for_workers(magics, cell, max(args.scaling)), **options
+            )
+        else:
+            code = magics.compile_cell(cell)
 
-        def setup(repl):  # called by the study inside each configuration's repl.context()
-            ns["repl"] = repl  # the cell's functions use this configuration's replicator
-            exec(code, ns)
-            return magics.defined_functions()
+            def setup(repl):  # called by the study inside each configuration's repl.context()
+                ns["repl"] = repl  # the cell's functions use this configuration's replicator
+                exec(code, ns)
+                return magics.defined_functions()
 
-        call = lambda: scaling_study(setup=setup, **options)  # noqa: E731
+            call = lambda: scaling_study(setup=setup, **options)  # noqa: E731
     else:
         names = _two_names(args, "step_fn input_fn", f"--scaling {_counts(args.scaling)}")
         step_fn, input_fn = magics.lookup_functions(
             names, ("step_fn", "input_fn"), f"--scaling {_counts(args.scaling)}"
         )
         call = lambda: scaling_study(step_fn, input_fn, **options)  # noqa: E731
-    previous = ns.get("repl", _MISSING)
     try:
         return call()
     except (ConfigurationError, DeviceError) as e:
@@ -86,6 +92,25 @@ def scaling_form(magics, args, cell: str | None):
             ns.pop("repl", None)
         else:
             ns["repl"] = previous
+
+
+def _cell_for_workers(magics, cell: str, replicas: int):
+    """The cell as a setup that travels to each configuration's worker processes.
+
+    The cell runs here first, in a launcher's local context (as a multi-worker training cell
+    does), so its mistakes show at once and the notebook has its names; then its source and the
+    notebook's picklable names go to the workers, which build the model themselves.
+    """
+    from workbench._src.backends.multi_worker import CellSetup, MultiWorkerReplicator, picklable_namespace
+
+    ns = magics.shell.user_ns
+    ns["repl"] = launcher = MultiWorkerReplicator.from_replicas(replicas)
+    code = magics.compile_cell(cell)
+    with launcher.context():
+        exec(code, ns)
+    magics.defined_functions()  # the cell must define step_fn and input_fn
+    shipped, _skipped = picklable_namespace(ns)
+    return CellSetup(magics.shell.transform_cell(cell), shipped)
 
 
 def compare_form(magics, args, cell: str | None):

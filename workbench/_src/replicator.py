@@ -47,6 +47,7 @@ class Replicator:
         self._strategy = None
         self._programs: dict = {}
         self._created_variables: list = []
+        self._in_context = False  # context() is re-entrant: variables are recorded once
 
     # ----- what a backend provides -------------------------------------------------------
     def _make_strategy(self):
@@ -100,6 +101,9 @@ class Replicator:
         Build the model and the optimizer here. The replicator also remembers the variables, so
         `train(checkpoint_dir=...)` can save them without being told what the model is.
         """
+        if self._in_context:  # re-entered (e.g. a setup function that opens it again)
+            yield self
+            return
         created = self._created_variables
 
         def record(next_creator, **kwargs):
@@ -108,8 +112,12 @@ class Replicator:
             return v
 
         t = tf()
-        with self.strategy.scope(), t.variable_creator_scope(record):
-            yield self
+        self._in_context = True
+        try:
+            with self.strategy.scope(), t.variable_creator_scope(record):
+                yield self
+        finally:
+            self._in_context = False
 
     def wrap_optimizer(self, optimizer) -> ReplicatedOptimizer:
         """Makes `optimizer` average gradients across replicas (TF-Replicator's convention).

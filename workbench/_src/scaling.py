@@ -238,7 +238,10 @@ def scaling_study(
       step_fn, input_fn: a stateless step and its input (or give `setup`). input_fn(ctx) receives
         a `ScalingContext`: read `ctx.global_batch_size` (PER_WORKER input, the default) or
         `ctx.batch_size_per_replica` (PER_REPLICA) and batch to it.
-      backend: replicator backend name ("mirrored", ...).
+      backend: a synchronous backend: "mirrored" (devices of this process: GPUs, or virtual
+        CPUs), "multi-worker" (one worker process per CPU replica, started on 127.0.0.1 for
+        each configuration; setup, step_fn and input_fn travel to the workers by value), "tpu",
+        "single" (one replica).
       replicas: replica counts to measure; the fewest is the baseline (normally 1).
       mode: "weak" keeps `batch_size` per replica (global = batch_size x n); "strong" keeps
         `batch_size` as the global batch (each replica gets batch_size / n).
@@ -269,8 +272,8 @@ def scaling_study(
       >>> list(study.table["global_batch"])
       [16, 32]
     """
+    from workbench._src.backends import backend_class
     from workbench._src.backends import replicator as make_replicator
-    from workbench._src.reaper import discard_programs
     from workbench._src.scaling_plot import live_sink
     from workbench._src.tf_setup import device_summary
 
@@ -289,6 +292,13 @@ def scaling_study(
             )
         reference_label = reference_label or REFERENCES[reference][0]
         reference = REFERENCES[reference][1]
+    if getattr(backend_class(backend), "backend", None) == "async-ps":
+        raise ConfigurationError(
+            f"A scaling study measures synchronous steps (every replica takes one batch per step, "
+            f"so a step's time is the cluster's); received backend={backend!r}, whose workers step "
+            "independently. Fix: backend='mirrored' (devices of one process) or 'multi-worker' "
+            "(processes), or time async training with run.history['examples_per_sec']."
+        )
     # Build every replicator first: a device count the process lacks fails now, not after an hour.
     repls = {n: make_replicator(backend, num_replicas=n, **replicator_options) for n in counts}
     study = ScalingStudy(
@@ -305,37 +315,86 @@ def scaling_study(
         for n in counts:
             repl = repls[n]
             global_batch, per_replica = batch_sizes(mode, batch_size, n)
-            ctx = ScalingContext(None, n, 0, 1, n, global_batch_size=global_batch, mode=mode)
-            step, inputs = _build(repl, setup, step_fn, input_fn, ctx, seed)
-            wrapped = _with_context(inputs, global_batch, mode, check_batch=repl.input_split_fn is None)
+            measure = _measure_in_workers if getattr(repl, "runs_in_processes", False) else _measure_here
+            build = _Build(setup, step_fn, input_fn, mode, global_batch, seed)
             options = {"steps_per_execution": steps_per_execution, "reduce": reduce}
-            try:
-                warm = repl.train(
-                    step, wrapped, steps=warmup, name=f"scaling {mode} n={n} warm-up", **options
-                )
-            except Exception as e:  # noqa: BLE001 - re-raised, translated when it is our assertion
-                translated = _translated_batch_error(e, ctx)
-                if translated is e:
-                    raise
-                raise translated from None
-            run = repl.train(step, wrapped, steps=steps, name=f"scaling {mode} n={n}", **options)
+            run, compile_seconds = measure(repl, build, warmup, steps, f"scaling {mode} n={n}", options)
             study.runs[n] = run
             eps = run.history["examples_per_sec"].dropna().to_numpy()  # per step, from chunk times
             study.points.append(
                 {"replicas": n, "mode": mode, "global_batch": global_batch, "per_replica_batch": per_replica,
                  "steps": int(run.steps), "steps_per_execution": steps_per_execution,
-                 **step_time_stats(global_batch / eps), "compile_seconds": warm.compile_seconds,
-                 "backend": repl.backend, **_honesty(repl.describe(), devices)}
+                 **step_time_stats(global_batch / eps), "compile_seconds": compile_seconds,
+                 "backend": repl.backend,
+                 **_honesty(repl.describe(), devices, getattr(repl, "threads_per_worker", None))}
             )  # fmt: skip
-            # This configuration is done: delete its input iterator now, off the main thread
-            # (reaper.py), rather than freeze the notebook whenever the garbage collector finds it.
-            discard_programs(repl._programs.values())
-            repl._programs.clear()
             if path is not None:
                 study.path = study.save(path)
             if sink is not None:
                 sink.send(study)
     return study
+
+
+class _Build:
+    """Builds one configuration: seeds, calls `setup` inside repl.context(), wraps input_fn.
+
+    A plain object rather than a closure so that it pickles (cloudpickle) to the worker
+    processes of a multi-worker study, where it runs inside each worker's replicator.
+    """
+
+    def __init__(self, setup, step_fn, input_fn, mode: str, global_batch: int, seed: int | None):
+        self.setup, self.step_fn, self.input_fn = setup, step_fn, input_fn
+        self.mode, self.global_batch, self.seed = mode, global_batch, seed
+
+    def context_for(self, repl) -> ScalingContext:
+        workers = repl.num_workers
+        return ScalingContext(
+            None, repl.num_replicas, getattr(repl, "worker_id", 0), workers, repl.num_replicas // workers,
+            global_batch_size=self.global_batch, mode=self.mode,
+        )  # fmt: skip
+
+    def __call__(self, repl):
+        """(step_fn, input_fn) for `repl` (a worker calls it already inside repl.context(),
+        which is re-entrant)."""
+        ctx = self.context_for(repl)
+        step, inputs = _build(repl, self.setup, self.step_fn, self.input_fn, ctx, self.seed)
+        return step, _with_context(
+            inputs, self.global_batch, self.mode, check_batch=repl.input_split_fn is None
+        )
+
+
+def _measure_here(repl, build: _Build, warmup: int, steps: int, name: str, options: dict):
+    """Warm-up run (tracing) then measured run, in this process; returns (run, compile seconds)."""
+    from workbench._src.reaper import discard_programs
+
+    step, inputs = build(repl)
+    try:
+        warm = repl.train(step, inputs, steps=warmup, name=f"{name} warm-up", **options)
+    except Exception as e:  # noqa: BLE001 - re-raised, translated when it is our assertion
+        translated = _translated_batch_error(e, build.context_for(repl))
+        if translated is e:
+            raise
+        raise translated from None
+    run = repl.train(step, inputs, steps=steps, name=name, **options)
+    # This configuration is done: delete its input iterator now, off the main thread
+    # (reaper.py), rather than freeze the notebook whenever the garbage collector finds it.
+    discard_programs(repl._programs.values())
+    repl._programs.clear()
+    return run, warm.compile_seconds
+
+
+def _measure_in_workers(repl, build: _Build, warmup: int, steps: int, name: str, options: dict):
+    """The same on a process backend: one launch per configuration; the workers build the model
+    (`build` travels to them), run the warm-up in the same processes, then the measured steps,
+    whose per-step times stream back into the returned run."""
+    try:
+        run = repl.train(setup=build, steps=steps, warmup=warmup, name=name, **options)
+    except Exception as e:  # noqa: BLE001 - re-raised, translated when it is our assertion
+        translated = _translated_batch_error(e, build.context_for(repl))
+        if translated is e:
+            raise
+        raise translated from None
+    return run, run.compile_seconds
 
 
 def _build(repl, setup, step_fn, input_fn, ctx, seed):
@@ -386,7 +445,8 @@ def _check_batch_size(dataset, ctx: ScalingContext):
 
     t = tf()
     per_replica = ctx.replica_id is not None  # PER_REPLICA input: one replica's batch
-    expected = ctx.batch_size_per_replica if per_replica else ctx.per_worker_batch_size(ctx.global_batch_size)
+    # PER_WORKER: every worker yields the global batch (tf.distribute keeps each worker's share).
+    expected = ctx.batch_size_per_replica if per_replica else ctx.global_batch_size
     name = "ctx.batch_size_per_replica" if per_replica else "ctx.global_batch_size"
     leaves = t.nest.flatten(dataset.element_spec)
     shape = getattr(leaves[0], "shape", None) if leaves else None
@@ -430,11 +490,38 @@ def _translated_batch_error(error: BaseException, ctx) -> BaseException:
     return _batch_size_error(ctx, int(expected), name.rstrip("].,'\""), "batches of another size")
 
 
-def _honesty(described: dict, devices: dict) -> dict:
-    """What the replicas really ran on: virtual CPUs sharing cores are not independent devices."""
+def _honesty(described: dict, devices: dict, threads_per_worker: int | None = None) -> dict:
+    """What the replicas really ran on: replicas sharing CPU cores are not independent devices.
+
+    One process with virtual CPUs: the replicas share that process's thread pool. Worker
+    processes on one machine without GPUs: each worker has its own pool (`threads_per_worker`,
+    else TensorFlow's default of one thread per core), so together they oversubscribe the cores.
+    """
+    cores = devices.get("physical_cores") or 0
+    replicas = int(described.get("num_replicas") or 1)
+    workers = int(described.get("num_workers") or 1)
+    if described.get("backend") == "multi-worker":
+        kind = "GPU" if devices.get("gpus") else "CPU process"
+        threads = threads_per_worker or cores
+        total = threads * workers
+        note = ""
+        if kind == "CPU process" and workers > 1 and total > cores:
+            note = (
+                f"{workers} worker processes x {threads} TensorFlow thread(s) share {cores} core(s) of "
+                "one machine: the workers compete for the same cores, so this measures the cost of "
+                "distribution (processes, gRPC all-reduce), not speed-up"
+            )
+        return {
+            "devices_kind": kind,
+            "devices": f"{workers} worker(s) x {described.get('devices_per_worker', 1)}",
+            "physical_cores": cores,
+            "threads_per_replica": threads / max(1, replicas // workers),
+            "shared_cores": bool(note),
+            "threads_note": note,
+        }
     used = described.get("devices", [])
     kind = "GPU" if any("GPU" in d for d in used) else "TPU" if any("TPU" in d for d in used) else "CPU"
-    cores = devices.get("physical_cores") or 0
+    pool = devices.get("intra_op_threads") or cores
     if kind == "CPU" and devices.get("virtual_cpus", 1) > 1:
         kind = "virtual CPU"
         note = (
@@ -447,6 +534,7 @@ def _honesty(described: dict, devices: dict) -> dict:
         "devices_kind": kind,
         "devices": ",".join(d.split("device:")[-1] for d in used),
         "physical_cores": cores,
+        "threads_per_replica": pool / max(1, len(used)) if kind in ("CPU", "virtual CPU") else float("nan"),
         "shared_cores": kind == "virtual CPU",
         "threads_note": note,
     }

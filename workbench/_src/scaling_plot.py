@@ -95,8 +95,13 @@ def _note(table) -> str:
         return ""
     cores = int(table["physical_cores"].iloc[0])
     most = int(table["replicas"].max())
+    what = (
+        "worker processes on one machine"
+        if (table["devices_kind"] == "CPU process").any()
+        else "virtual CPU devices"
+    )
     return (
-        f"NOTE: replicas are virtual CPU devices sharing {cores} physical core(s) (up to {most} "
+        f"NOTE: replicas are {what} sharing {cores} physical core(s) (up to {most} "
         "replicas on them): this shows distribution overhead, not the speed-up of real devices."
     )
 

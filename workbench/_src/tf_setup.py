@@ -126,6 +126,8 @@ def device_summary() -> dict:
         "cpus": cpus,
         "virtual_cpus": len(cpus),
         "physical_cores": os.cpu_count(),
+        # 0: TensorFlow's default, one thread per core; replicas on virtual CPUs share this pool
+        "intra_op_threads": t.config.threading.get_intra_op_parallelism_threads() or os.cpu_count(),
     }
 
 

@@ -228,6 +228,9 @@ class MultiWorkerReplicator(Replicator):
             with super().context():
                 yield self
             return
+        if self._in_context:
+            yield self
+            return
         created = self._created_variables
 
         def record(next_creator, **kwargs):
@@ -235,8 +238,12 @@ class MultiWorkerReplicator(Replicator):
             created.append(v)
             return v
 
-        with tf().variable_creator_scope(record):
-            yield self
+        self._in_context = True
+        try:
+            with tf().variable_creator_scope(record):
+                yield self
+        finally:
+            self._in_context = False
 
     def run(self, step_fn: Callable, input_fn: Callable):
         """One step on every replica. From the launcher: in fresh workers; per-replica outputs."""
@@ -255,7 +262,9 @@ class MultiWorkerReplicator(Replicator):
         results = self._launch(_CallWork(fn), run=None, timeout=timeout)
         return [results[f"worker:{i}"] for i in range(self._num_workers)]
 
-    def train(self, step_fn=None, input_fn=None, steps: int | None = None, *, setup=None, **options):
+    def train(
+        self, step_fn=None, input_fn=None, steps: int | None = None, *, setup=None, warmup: int = 0, **options
+    ):
         """Trains on the workers; returns the wb.Run (history streamed from the chief).
 
         Args:
@@ -263,13 +272,19 @@ class MultiWorkerReplicator(Replicator):
             not hold TensorFlow state built here: use `setup` for that.
           setup: setup(repl) runs on each worker inside repl.context(), builds the model and
             optimizer and returns (step_fn, input_fn) (or a dict with those keys).
+          warmup: steps each worker runs first, in the same processes, that the run does not
+            record (they absorb tracing; `run.compile_seconds` is theirs). Scaling studies use it.
           Other options: as `Replicator.train` (steps_per_execution, reduce, checkpoint_dir,
           background, sinks, name, ...).
         """
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ConfigurationError(f"warmup must be an integer >= 0 (steps); received warmup={warmup!r}.")
         if self._in_cluster:
             if setup is not None:
                 with self.context():
                     step_fn, input_fn = _unpack_setup(setup(self))
+            if warmup:
+                _warm_up(self, step_fn, input_fn, warmup, options)
             return super().train(step_fn, input_fn, steps, **options)
         if setup is None and (step_fn is None or input_fn is None):
             raise ConfigurationError(
@@ -277,6 +292,7 @@ class MultiWorkerReplicator(Replicator):
                 f"received step_fn={step_fn!r}, input_fn={input_fn!r}, setup=None."
             )
         work = _TrainWork(step_fn=step_fn, input_fn=input_fn, setup=setup)
+        work.warmup = warmup
         return self._train_launched(work, steps, options, local_variables=None)
 
     def train_cell(self, source: str, namespace: dict, steps: int, **options):
@@ -345,6 +361,7 @@ class MultiWorkerReplicator(Replicator):
                 results = self._launch(work, run)
                 chief = results["worker:0"]
                 status, reason = chief["status"], chief["reason"]
+                run.compile_seconds = chief.get("compile_seconds")
                 if status == "stopped" and getattr(run, "_interrupted", False):
                     status = "interrupted"
                 if local_variables and chief.get("weights"):
@@ -642,20 +659,15 @@ class _TrainWork:
     def __init__(self, step_fn=None, input_fn=None, setup=None, source=None, namespace=None):
         self.step_fn, self.input_fn, self.setup = step_fn, input_fn, setup
         self.source, self.namespace = source, namespace
-        self.steps, self.options = None, {}
+        self.steps, self.options, self.warmup = None, {}, 0
 
     def __call__(self, repl, link):
         from workbench._src import session
 
         session._set(repl, None)  # wb.current() in the cell or script is this worker's replicator
         if self.source is not None:
-            namespace = {**(self.namespace or {}), "repl": repl}
-            namespace.setdefault("__name__", "__main__")
             with repl.context():
-                exec(compile(self.source, "<%%replicate cell>", "exec"), namespace)
-            step_fn, input_fn = namespace.get("step_fn"), namespace.get("input_fn")
-            if not callable(step_fn) or not callable(input_fn):
-                raise ConfigurationError("the cell must define step_fn(batch) and input_fn(ctx).")
+                step_fn, input_fn = CellSetup(self.source, self.namespace)(repl)
         elif self.setup is not None:
             with repl.context():
                 step_fn, input_fn = _unpack_setup(self.setup(repl))
@@ -667,6 +679,7 @@ class _TrainWork:
             if chief or event.kind == "message":
                 link.send({"type": "event", "kind": event.kind, "step": event.step, "data": event.data})
 
+        warm = _warm_up(repl, step_fn, input_fn, self.warmup, self.options) if self.warmup else None
         run = repl.train(step_fn, input_fn, self.steps, background=True, sinks=[forward], **self.options)
 
         def listen():  # the launcher's stop requests (run.stop(), the Stop button, an interrupt)
@@ -680,7 +693,39 @@ class _TrainWork:
         weights = None
         if chief:
             weights = [(v.name, v.numpy()) for v in repl._created_variables]
-        return {"status": run.status, "reason": run.stop_reason, "steps": run.steps, "weights": weights}
+        compile_seconds = (warm or run).compile_seconds
+        return {
+            "status": run.status,
+            "reason": run.stop_reason,
+            "steps": run.steps,
+            "weights": weights,
+            "compile_seconds": compile_seconds,
+        }
+
+
+def _warm_up(repl, step_fn, input_fn, steps: int, options: dict):
+    """Untimed, unrecorded steps before a run (tracing happens here); returns that run."""
+    same = {k: options[k] for k in ("steps_per_execution", "reduce") if k in options}
+    return repl.train(step_fn, input_fn, steps, name="warm-up", **same)
+
+
+class CellSetup:
+    """A `%%replicate` cell as a setup function: setup(repl) runs the cell's source with the
+    notebook's picklable names and `repl` bound to the caller's replicator, and returns the
+    step_fn and input_fn it defines. It pickles (the source travels, not code objects), so
+    worker processes can build the cell's model themselves."""
+
+    def __init__(self, source: str, namespace: dict | None):
+        self.source, self.namespace = source, namespace
+
+    def __call__(self, repl):
+        namespace = {**(self.namespace or {}), "repl": repl}
+        namespace.setdefault("__name__", "__main__")
+        exec(compile(self.source, "<%%replicate cell>", "exec"), namespace)
+        step_fn, input_fn = namespace.get("step_fn"), namespace.get("input_fn")
+        if not callable(step_fn) or not callable(input_fn):
+            raise ConfigurationError("the cell must define step_fn(batch) and input_fn(ctx).")
+        return step_fn, input_fn
 
 
 class _CallWork:
