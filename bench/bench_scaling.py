@@ -1,9 +1,11 @@
-"""Weak (or strong) scaling of an MLP on scikit-learn's digits over 1, 2, 4, 8 mirrored replicas.
+"""Weak (or strong) scaling of an MLP on scikit-learn's digits over 1, 2, 4, 8 replicas.
 
     python bench/bench_scaling.py [--mode weak|strong] [--batch 32] [--steps 200] [--out DIR (default runs/scaling)]
+    python bench/bench_scaling.py --backend multi-worker --replicas 1,2 [--threads 1]
 
-Writes DIR/scaling-<mode>.png and DIR/scaling-<mode>.csv and prints the table. On a machine
-without GPUs the replicas are virtual CPUs sharing the physical cores: the figure says so.
+Writes DIR/scaling-<backend>-<mode>.png and .csv and prints the table. On a machine without GPUs
+the replicas are virtual CPUs (mirrored) or worker processes (multi-worker) sharing the physical
+cores: the figure says so. `--threads` limits each worker's TensorFlow threads (multi-worker).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps-per-execution", type=int, default=20)
+    parser.add_argument("--backend", choices=["mirrored", "multi-worker"], default="mirrored")
+    parser.add_argument("--threads", type=int, default=None, help="TF threads per worker (multi-worker)")
     parser.add_argument("--out", default="runs/scaling")
     args = parser.parse_args()
     replicas = [int(n) for n in args.replicas.split(",")]
@@ -63,8 +67,11 @@ def main() -> None:
         return step_fn, input_fn
 
     os.makedirs(args.out, exist_ok=True)
+    options = {"threads_per_worker": args.threads} if args.backend == "multi-worker" else {}
+    name = f"scaling-{args.backend}-{args.mode}"
     study = wb.scaling_study(
         setup=setup,
+        backend=args.backend,
         replicas=replicas,
         mode=args.mode,
         batch_size=args.batch,
@@ -72,9 +79,10 @@ def main() -> None:
         warmup=args.warmup,
         steps_per_execution=args.steps_per_execution,
         reference="tf-replicator-resnet50",
-        path=os.path.join(args.out, f"scaling-{args.mode}.png"),
+        path=os.path.join(args.out, f"{name}.png"),
+        **options,
     )
-    study.table.to_csv(os.path.join(args.out, f"scaling-{args.mode}.csv"), index=False)
+    study.table.to_csv(os.path.join(args.out, f"{name}.csv"), index=False)
     cols = [
         "replicas",
         "global_batch",
@@ -87,6 +95,7 @@ def main() -> None:
         "compile_seconds",
         "devices_kind",
         "physical_cores",
+        "threads_per_replica",
     ]
     with pd.option_context("display.width", 200, "display.float_format", "{:.4g}".format):
         print(study.table[cols].to_string(index=False))
