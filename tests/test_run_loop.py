@@ -152,6 +152,18 @@ def test_checkpoint_saves_and_resumes(tmp_path):
     assert more.history["step"].tolist() == [31, 32, 33, 34, 35]
 
 
+def test_context_is_reentrant_and_remembers_each_variable_once():
+    # A setup function may open repl.context() although its caller (train(setup=...), a study)
+    # already did: the variables the checkpoint saves are still each recorded once.
+    repl = wb.replicator("mirrored", num_replicas=2)
+    with repl.context():
+        outer = tf.Variable(1.0)
+        with repl.context():
+            inner = tf.Variable(2.0)
+    assert [id(v) for v in repl._created_variables] == [id(outer), id(inner)]
+    assert isinstance(inner, tf.distribute.DistributedValues)  # still mirrored in the inner scope
+
+
 def test_interrupted_run_writes_its_checkpoint(tmp_path):
     repl = wb.replicator("single")
     model, opt, step_fn, input_fn = _model_step(repl)

@@ -101,8 +101,15 @@ class Replicator:
         Build the model and the optimizer here. The replicator also remembers the variables, so
         `train(checkpoint_dir=...)` can save them without being told what the model is.
         """
-        if self._in_context:  # re-entered (e.g. a setup function that opens it again)
+        with self.strategy.scope(), self._recording_variables():
             yield self
+
+    @contextlib.contextmanager
+    def _recording_variables(self):
+        """Remembers the variables created inside in `_created_variables`, once each: re-entering
+        (e.g. a setup function that opens repl.context() again) records nothing twice."""
+        if self._in_context:
+            yield
             return
         created = self._created_variables
 
@@ -111,11 +118,10 @@ class Replicator:
             created.append(v)
             return v
 
-        t = tf()
         self._in_context = True
         try:
-            with self.strategy.scope(), t.variable_creator_scope(record):
-                yield self
+            with tf().variable_creator_scope(record):
+                yield
         finally:
             self._in_context = False
 

@@ -228,22 +228,8 @@ class MultiWorkerReplicator(Replicator):
             with super().context():
                 yield self
             return
-        if self._in_context:
+        with self._recording_variables():
             yield self
-            return
-        created = self._created_variables
-
-        def record(next_creator, **kwargs):
-            v = next_creator(**kwargs)
-            created.append(v)
-            return v
-
-        self._in_context = True
-        try:
-            with tf().variable_creator_scope(record):
-                yield self
-        finally:
-            self._in_context = False
 
     def run(self, step_fn: Callable, input_fn: Callable):
         """One step on every replica. From the launcher: in fresh workers; per-replica outputs."""
