@@ -65,33 +65,53 @@ def train(
     """
     _check_options(steps, steps_per_execution, reduce, on_nonfinite, checkpoint_every, checkpoint_dir)
     program = replicator._program(step_fn, input_fn)
-    config = {
-        **replicator.describe(),
-        "step_fn": getattr(step_fn, "__name__", repr(step_fn)),
-        "input_fn": getattr(input_fn, "__name__", repr(input_fn)),
-        "steps": steps,
-        "steps_per_execution": steps_per_execution,
-    }
-    run = Run(config, name=name)
-    for make_sink in SINK_FACTORIES:  # e.g. the run store: every run is recorded
-        run.subscribe(make_sink(run))
-    for sink in sinks:
-        run.subscribe(sink)
+    run = new_run(replicator, step_fn, input_fn, steps, steps_per_execution, sinks, name)
     saver = _Saver(replicator, program, checkpoint_dir, checkpoint) if checkpoint_dir else None
     loop = _Loop(
         run, program, steps, steps_per_execution, reduce or {}, saver, checkpoint_every, on_nonfinite
     )
+    return drive(run, loop.run_catching, background, on_nonfinite)
+
+
+def new_run(replicator, step_fn, input_fn, steps, steps_per_execution, sinks=(), name=None) -> Run:
+    """A Run configured from the replicator and the functions, subscribed to every registered
+    sink (SINK_FACTORIES: the run store, the lab watcher) and to the caller's `sinks`."""
+    config = {
+        **replicator.describe(),
+        "step_fn": function_name(step_fn, "step_fn"),
+        "input_fn": function_name(input_fn, "input_fn"),
+        "steps": steps,
+        "steps_per_execution": steps_per_execution,
+    }
+    run = Run(config, name=name)
+    for make_sink in SINK_FACTORIES:
+        run.subscribe(make_sink(run))
+    for sink in sinks:
+        run.subscribe(sink)
+    return run
+
+
+def drive(run: Run, body: Callable[[], None], background: bool, on_nonfinite: str = "stop") -> Run:
+    """Runs body(), which trains and finishes `run`: in a thread (background=True: returns at
+    once), or here with Ctrl-C stopping at a step boundary, then raises what the run failed with."""
     if background:
-        run._thread = threading.Thread(target=loop.run_catching, name=f"workbench {run.name}", daemon=True)
+        run._thread = threading.Thread(target=body, name=f"workbench {run.name}", daemon=True)
         run._thread.start()
         return run
     with _stop_on_sigint(run):
-        loop.run_catching()
+        body()
     if run.status == "failed":
         raise run.error
     if run.status == "non-finite" and on_nonfinite == "raise":
         raise NonFiniteError(run.stop_reason, run=run)
     return run
+
+
+def function_name(fn, default: str) -> str:
+    """How a run's config names step_fn / input_fn (`default` when the worker builds them)."""
+    if fn is None:
+        return default
+    return getattr(fn, "__name__", None) or repr(fn)
 
 
 class _Loop:
@@ -109,13 +129,7 @@ class _Loop:
         run.status = "running"
         run.started_at = time.time()
         try:
-            if self.saver:
-                restored = self.saver.restore_if_any()
-                if restored is not None:
-                    run.publish(
-                        "message", text=f"resumed from checkpoint at step {restored}: {self.saver.directory}"
-                    )
-            run.publish("started", name=run.name, config=run.config, first_step=self.program.steps_done + 1)
+            begin(run, self.saver, self.program)
             status, reason = self._loop()
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by the caller
             run.error = e
@@ -185,27 +199,43 @@ class _Loop:
         self.run.record_rows(out)
 
     def _first_nonfinite(self, rows: np.ndarray, first_step: int) -> str | None:
-        values = rows[:, :-1]
-        bad = ~np.isfinite(values)
-        if not bad.any():
-            return None
-        i, j = map(int, np.argwhere(bad)[0])
-        metric = (self.program.metric_names or ["?"])[j]
-        message = (
-            f"Training stopped at step {first_step + i}: metric {metric!r} is {values[i, j]} "
-            f"(last finite value at step {first_step + i - 1}). Common causes: a learning rate "
-            "too high, a log/division of zero, or the loss summed instead of averaged. The "
-            "history up to that step is in run.history"
-            + ("; the last checkpoint before it is kept." if self.saver else ".")
-        )
-        if self.on_nonfinite == "stop":
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return message
+        names = self.program.metric_names
+        return first_nonfinite(rows, first_step, names, self.on_nonfinite, self.saver is not None)
 
     def _save_checkpoint(self, final: bool = False) -> None:
         path = self.saver.save()
         if path:
             self.run.publish("checkpoint", path=path, final=final)
+
+
+def begin(run: Run, saver, program) -> None:
+    """A run's first events: the checkpoint it resumes from, if any, then "started"."""
+    if saver:
+        restored = saver.restore_if_any()
+        if restored is not None:
+            run.publish("message", text=f"resumed from checkpoint at step {restored}: {saver.directory}")
+    run.publish("started", name=run.name, config=run.config, first_step=program.steps_done + 1)
+
+
+def first_nonfinite(rows: np.ndarray, first_step: int, names, on_nonfinite: str, checkpoint_kept: bool):
+    """The message for the first NaN/Inf metric in `rows` (steps x metrics + batch), else None;
+    also warned when on_nonfinite="stop"."""
+    values = rows[:, :-1]
+    bad = ~np.isfinite(values)
+    if not bad.any():
+        return None
+    i, j = map(int, np.argwhere(bad)[0])
+    metric = (names or ["?"])[j]
+    message = (
+        f"Training stopped at step {first_step + i}: metric {metric!r} is {values[i, j]} "
+        f"(last finite value at step {first_step + i - 1}). Common causes: a learning rate "
+        "too high, a log/division of zero, or the loss summed instead of averaged. The "
+        "history up to that step is in run.history"
+        + ("; the last checkpoint before it is kept." if checkpoint_kept else ".")
+    )
+    if on_nonfinite == "stop":
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return message
 
 
 class _Saver:

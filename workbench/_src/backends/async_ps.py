@@ -31,7 +31,6 @@ import contextlib
 import gc
 import json
 import os
-import threading
 import time
 import warnings
 import weakref
@@ -358,38 +357,14 @@ def train_async(
     name=None,
 ):
     """The async run loop: keeps every worker busy with chunks, records results as they return."""
-    from workbench._src.run import Run
-    from workbench._src.train_loop import SINK_FACTORIES, _check_options, _Saver, _stop_on_sigint
+    from workbench._src.train_loop import _check_options, _Saver, drive, new_run
 
     _check_options(steps, steps_per_execution, reduce, on_nonfinite, checkpoint_every, checkpoint_dir)
     program = repl._program(step_fn, input_fn)
-    config = {
-        **repl.describe(),
-        "step_fn": getattr(step_fn, "__name__", repr(step_fn)),
-        "input_fn": getattr(input_fn, "__name__", repr(input_fn)),
-        "steps": steps,
-        "steps_per_execution": steps_per_execution,
-    }
-    run = Run(config, name=name)
-    for make_sink in SINK_FACTORIES:
-        run.subscribe(make_sink(run))
-    for sink in sinks:
-        run.subscribe(sink)
+    run = new_run(repl, step_fn, input_fn, steps, steps_per_execution, sinks, name)
     saver = _Saver(repl, program, checkpoint_dir, checkpoint) if checkpoint_dir else None
     loop = _AsyncLoop(run, repl, program, steps, steps_per_execution, saver, checkpoint_every, on_nonfinite)
-    if background:
-        run._thread = threading.Thread(target=loop.run_catching, name=f"workbench {run.name}", daemon=True)
-        run._thread.start()
-        return run
-    with _stop_on_sigint(run):
-        loop.run_catching()
-    if run.status == "failed":
-        raise run.error
-    if run.status == "non-finite" and on_nonfinite == "raise":
-        from workbench._src.errors import NonFiniteError
-
-        raise NonFiniteError(run.stop_reason, run=run)
-    return run
+    return drive(run, loop.run_catching, background, on_nonfinite)
 
 
 class _AsyncLoop:
@@ -401,19 +376,15 @@ class _AsyncLoop:
         self.recent: collections.deque = collections.deque()  # (time, examples) of recent results
 
     def run_catching(self) -> None:
+        from workbench._src.train_loop import begin
+
         run = self.run
         run.status = "running"
         run.started_at = time.time()
         server_lost = False
         executed_before = int(self.repl.executed_steps.numpy())
         try:
-            if self.saver:
-                restored = self.saver.restore_if_any()
-                if restored is not None:
-                    run.publish(
-                        "message", text=f"resumed from checkpoint at step {restored}: {self.saver.directory}"
-                    )
-            run.publish("started", name=run.name, config=run.config, first_step=self.program.steps_done + 1)
+            begin(run, self.saver, self.program)
             status, reason = self._loop()
         except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by the caller
             server_lost = isinstance(e, WorkerError)
@@ -555,20 +526,10 @@ class _AsyncLoop:
         self.run.record_rows(out)
 
     def _first_nonfinite(self, rows, first_step):
-        values = rows[:, :-1]
-        bad = ~np.isfinite(values)
-        if not bad.any():
-            return None
-        i, j = map(int, np.argwhere(bad)[0])
-        metric = (self.program.metric_names or ["?"])[j]
-        message = (
-            f"Training stopped at step {first_step + i}: metric {metric!r} is {values[i, j]}. Common "
-            "causes: a learning rate too high, a log/division of zero. The history up to that step is "
-            "in run.history."
-        )
-        if self.on_nonfinite == "stop":
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return message
+        from workbench._src.train_loop import first_nonfinite
+
+        names = self.program.metric_names
+        return first_nonfinite(rows, first_step, names, self.on_nonfinite, self.saver is not None)
 
 
 def _translated_input_error(error):

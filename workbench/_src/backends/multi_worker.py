@@ -310,8 +310,7 @@ class MultiWorkerReplicator(Replicator):
 
     # ----- launching -----------------------------------------------------------------------
     def _train_launched(self, work, steps, options, local_variables):
-        from workbench._src.run import Run
-        from workbench._src.train_loop import SINK_FACTORIES, _check_options, _stop_on_sigint
+        from workbench._src.train_loop import _check_options, drive, new_run
 
         background = options.pop("background", False)
         sinks = options.pop("sinks", ())
@@ -327,18 +326,8 @@ class MultiWorkerReplicator(Replicator):
         if options.get("checkpoint_dir"):
             options["checkpoint_dir"] = os.path.abspath(os.fspath(options["checkpoint_dir"]))
         work.steps, work.options = steps, options
-        config = {
-            **self.describe(),
-            "step_fn": _name_of(work.step_fn, "step_fn"),
-            "input_fn": _name_of(work.input_fn, "input_fn"),
-            "steps": steps,
-            "steps_per_execution": options.get("steps_per_execution", "auto"),
-        }
-        run = Run(config, name=name)
-        for make_sink in SINK_FACTORIES:
-            run.subscribe(make_sink(run))
-        for sink in sinks:
-            run.subscribe(sink)
+        spe = options.get("steps_per_execution", "auto")
+        run = new_run(self, work.step_fn, work.input_fn, steps, spe, sinks, name)
 
         def go():
             run.status = "running"
@@ -359,15 +348,7 @@ class MultiWorkerReplicator(Replicator):
                 status, reason = "failed", f"{type(e).__name__}: {e}"
             run._finish(status, reason)
 
-        if background:
-            run._thread = threading.Thread(target=go, name=f"workbench {run.name}", daemon=True)
-            run._thread.start()
-            return run
-        with _stop_on_sigint(run):
-            go()
-        if run.status == "failed":
-            raise run.error
-        return run
+        return drive(run, go, background)
 
     def _launch(self, work, run=None, timeout: float | None = None) -> dict:
         """Starts the workers, hands them `work`, follows them to the end; returns task -> result."""
@@ -605,10 +586,6 @@ def _label(task: str) -> str:
 
 def _trim_traceback(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _name_of(fn, default: str) -> str:
-    return getattr(fn, "__name__", default) if fn is not None else default
 
 
 def _load_weights(local_variables, weights, run) -> None:
