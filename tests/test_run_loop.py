@@ -10,6 +10,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from toy_models import make_mlp, toy_data
 
@@ -150,6 +151,22 @@ def test_checkpoint_saves_and_resumes(tmp_path):
         np.testing.assert_array_equal(a, b)
     more = repl2.train(step_fn2, input_fn2, steps=5, checkpoint_dir=tmp_path)
     assert more.history["step"].tolist() == [31, 32, 33, 34, 35]
+
+
+def test_restore_loads_a_checkpoint_into_a_model_built_on_another_backend(tmp_path):
+    repl = wb.replicator("mirrored", num_replicas=2)
+    model, _, step_fn, input_fn = _model_step(repl)
+    repl.train(step_fn, input_fn, steps=12, checkpoint_dir=tmp_path)
+    # Evaluate on one device: the same construction under wb.NonReplicator, then restore.
+    single = wb.NonReplicator()
+    evaluation_model, *_ = _model_step(single)
+    assert single.restore(tmp_path) == 12
+    for a, b in zip(evaluation_model.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(wb.ConfigurationError, match=r"No checkpoint to restore in '.*empty'.*Fix"):
+        single.restore(tmp_path / "empty")
+    with pytest.raises(wb.ConfigurationError, match=r"Nothing to restore into.*repl.context\(\)"):
+        wb.NonReplicator().restore(tmp_path)
 
 
 def test_context_is_reentrant_and_remembers_each_variable_once():

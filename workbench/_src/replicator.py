@@ -193,6 +193,19 @@ class Replicator:
 
         return train(self, step_fn, input_fn, steps, **options)
 
+    def restore(self, checkpoint_dir, checkpoint=None) -> int:
+        """Loads the latest checkpoint that `train(checkpoint_dir=...)` wrote; returns its step.
+
+        Build the model (and, to go on training, the optimizer) in `repl.context()` as the run
+        that saved it did, on this or any backend (e.g. wb.NonReplicator() to evaluate on one
+        device), then call restore. `checkpoint`: what that run was told to save, if it was given
+        one (a tf.train.Checkpoint or a dict of trackables); default: the variables created in
+        repl.context(), matched in creation order.
+        """
+        from workbench._src.train_loop import restore_latest
+
+        return restore_latest(self, checkpoint_dir, checkpoint)
+
     # ----- internals ---------------------------------------------------------------------
     def _program(self, step_fn, input_fn):
         from workbench._src.program import Program

@@ -272,6 +272,41 @@ class _Saver:
         return self.manager.save(checkpoint_number=self.program.steps_done)
 
 
+def restore_latest(replicator, directory, items=None) -> int:
+    """`Replicator.restore`: the latest checkpoint in `directory` into `items` (default: the
+    variables created in repl.context()); returns the step it was saved at."""
+    t = tf()
+    directory = os.fspath(directory)
+    latest = t.train.latest_checkpoint(directory)
+    if not latest:
+        raise ConfigurationError(
+            f"No checkpoint to restore in {directory!r}. Fix: give the folder that "
+            "train(checkpoint_dir=...) wrote (it holds a 'checkpoint' file and ckpt-N files)."
+        )
+    if items is None:
+        if not replicator._created_variables:
+            raise ConfigurationError(
+                "Nothing to restore into: no variable was created in this replicator's context. "
+                "Fix: build the model (and optimizer) in `with repl.context():` first, as the run "
+                "that saved the checkpoint did, or pass checkpoint={'model': model, ...}."
+            )
+        items = {"variables": list(replicator._created_variables)}
+    if isinstance(items, dict):
+        items = t.train.Checkpoint(**items)
+    step = t.Variable(0, dtype=t.int64, trainable=False)
+    try:
+        status = t.train.Checkpoint(run=items, step=step).restore(latest)
+        status.expect_partial()  # e.g. an evaluation model without the optimizer's slots
+        status.assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:  # ValueError: a variable of another shape
+        raise ConfigurationError(
+            f"The checkpoint {latest} does not match the variables built here: "
+            f"{str(e).rstrip('.')}. Fix: build "
+            "the model the same way as the run that saved it (same layers, same order)."
+        ) from None
+    return int(step.numpy())
+
+
 class _stop_on_sigint:
     """First Ctrl-C (or a Jupyter interrupt): stop at the next step boundary. Second: abort."""
 

@@ -392,8 +392,8 @@ class _AsyncLoop:
                 e.run = run
                 where = (
                     f" The last checkpoint is in {self.saver.directory} (step {self.saver.step.numpy()}): "
-                    "restore it into a model built under a new replicator, e.g. "
-                    "repl.train(..., checkpoint_dir=that directory)."
+                    "build the model under a new replicator and call repl.restore(that directory), "
+                    "or go on training with repl.train(..., checkpoint_dir=that directory)."
                     if self.saver and self.saver.manager.latest_checkpoint
                     else " Pass checkpoint_dir= (and checkpoint_every=) to keep one next time."
                 )
