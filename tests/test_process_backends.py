@@ -422,6 +422,7 @@ def test_scaling_study_on_worker_processes(tmp_path):
     assert list(table["per_replica_batch"]) == [32, 16] and list(table["steps"]) == [20, 20]
     assert table[["step_time_median_s", "step_time_p90_s", "compile_seconds"]].notna().all().all()
     assert (table["compile_seconds"] > 0).all()  # the warm-up's, measured in the workers
+    assert (table["startup_seconds"] > 0).all()  # processes started and joined the cluster
     assert table["efficiency"].iloc[1] == pytest.approx(
         (table["step_time_median_s"].iloc[0] / table["step_time_median_s"].iloc[1]) / 2
     )

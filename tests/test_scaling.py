@@ -72,6 +72,10 @@ def test_weak_study_with_setup_is_complete_and_starts_each_point_from_the_same_w
     assert (table["devices_kind"] == "virtual CPU").all()
     assert (table["physical_cores"] == os.cpu_count()).all()
     assert table["threads_note"].str.contains("share").all()
+    # One TensorFlow pool shared by the replicas: its threads divided by the virtual CPUs used.
+    pool = wb.device_summary()["intra_op_threads"]
+    assert list(table["threads_per_replica"]) == [pool / 1, pool / 2, pool / 4]
+    assert table["startup_seconds"].isna().all()  # no processes to start in one process
     assert "<img" in study._repr_html_()
 
 

@@ -260,8 +260,9 @@ def scaling_study(
 
     Returns:
       A `wb.ScalingStudy`; `.table` has one row per configuration with throughput, step-time
-      median/p90, speed-up, efficiency and what the devices really were (`devices_kind`,
-      `physical_cores`, `threads_note`).
+      median/p90, speed-up, efficiency, compile (warm-up) and, on multi-worker, process start-up
+      seconds, and what the devices really were (`devices_kind`, `physical_cores`,
+      `threads_per_replica`, `threads_note`).
 
     Example:
       >>> import workbench as wb, tensorflow as tf
@@ -325,6 +326,8 @@ def scaling_study(
                 {"replicas": n, "mode": mode, "global_batch": global_batch, "per_replica_batch": per_replica,
                  "steps": int(run.steps), "steps_per_execution": steps_per_execution,
                  **step_time_stats(global_batch / eps), "compile_seconds": compile_seconds,
+                 # worker processes started and joined (multi-worker); NaN in one process
+                 "startup_seconds": getattr(run, "startup_seconds", float("nan")),
                  "backend": repl.backend,
                  **_honesty(repl.describe(), devices, getattr(repl, "threads_per_worker", None))}
             )  # fmt: skip
