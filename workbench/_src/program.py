@@ -52,7 +52,9 @@ class Program:
         # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
         # (reaper.py); when this program is garbage, its iterator is deleted on the reaper thread,
         # not on whichever thread (the notebook's, a training run's) the garbage collector runs.
-        weakref.finalize(self, reaper.discard_iterators, [self.iterator]).atexit = False
+        self._iterator_finalizer = weakref.finalize(self, reaper.discard_iterators, [self.iterator])
+        self._iterator_finalizer.atexit = False  # exit deletes it through reaper.track instead
+        reaper.track(self)
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
         self.metric_names: list[str] | None = None  # scalar outputs, found while tracing
         t = tf()
