@@ -60,11 +60,15 @@ def test_train_continues_from_the_same_iterator_and_reuses_the_compiled_loop():
 
 def test_history_throughput_and_summary():
     repl = wb.replicator("mirrored", num_replicas=4)
-    run = repl.train(lambda b: {"m": tf.reduce_mean(b)}, counting_input, steps=50, steps_per_execution=10)
+    step_fn = lambda b: {"m": tf.reduce_mean(b)}  # noqa: E731
+    run = repl.train(step_fn, counting_input, steps=50, steps_per_execution=10)
     h = run.history
     assert len(h) == 50 and h["step"].tolist() == list(range(1, 51))
     assert np.isnan(h["examples_per_sec"][:10]).all()  # the first call traces: not a throughput
-    assert (h["examples_per_sec"][10:] > 0).all()
+    assert (h["examples_per_sec"][10:] > 0).all() and run.compile_seconds > 0
+    # The same program again (e.g. after a warm-up run): nothing to trace, timed from its first step.
+    more = repl.train(step_fn, counting_input, steps=10, steps_per_execution=10)
+    assert (more.history["examples_per_sec"] > 0).all() and more.compile_seconds == 0.0
     assert h["wall_time"].is_monotonic_increasing
     assert run.summary()["steps"] == 50 and run.summary()["status"] == "finished"
     kinds = [e.kind for e in run.events]

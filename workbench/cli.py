@@ -1,4 +1,4 @@
-"""`workbench` command line: `workbench demo`, `workbench run FILE.py`."""
+"""`workbench` command line: `workbench demo`, `workbench run FILE.py`, `workbench scale FILE.py`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ RUN_EXAMPLES = """examples:
 FILE.py is run inside the replicator's context (as a %%replicate cell is): it builds its model
 and optimizer and defines input_fn(ctx) and step_fn(batch); `repl` (or wb.current()) is the
 replicator. It may be run once per worker process, so keep other side effects out of it."""
+
+SCALE_EXAMPLES = """examples:
+  workbench scale train.py --replicas 1,2,4,8 --mode weak --batch-size 32
+  workbench scale train.py --backend multi-worker --replicas 1,2 --mode strong --batch-size 256
+  workbench scale train.py --replicas 1,2,4 --out study.png --csv study.csv
+
+FILE.py is run once per configuration inside that configuration's replicator context (on
+multi-worker, in its worker processes), after seeding: it builds its model and optimizer and
+defines input_fn(ctx), which must batch to ctx.global_batch_size, and step_fn(batch)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,12 +57,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the cluster")
     run.add_argument("--cpus", type=int, help="virtual CPU devices in this process (default 8 without GPUs)")
+    scale = sub.add_parser(
+        "scale",
+        help="a scaling study of the model a Python file builds (as %%%%replicate --scaling)",
+        epilog=SCALE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    scale.add_argument("file", help="a Python file building its model and defining input_fn and step_fn")
+    scale.add_argument("--backend", "-b", default="mirrored", help="mirrored | multi-worker | single | tpu")
+    scale.add_argument("--replicas", "-r", default="1,2,4,8", help="replica counts, e.g. 1,2,4,8")
+    scale.add_argument("--mode", choices=["weak", "strong"], default="weak")
+    scale.add_argument("--batch-size", type=int, default=32, help="per replica (weak) or global (strong)")
+    scale.add_argument("--steps", "-s", type=int, default=50, help="measured steps per configuration")
+    scale.add_argument("--warmup", type=int, default=10, help="untimed steps first (tracing)")
+    scale.add_argument("--steps-per-execution", type=int, default=10)
+    scale.add_argument("--out", default="scaling.png", help="where to write the figure PNG")
+    scale.add_argument("--csv", help="also write the table to this CSV file")
+    scale.add_argument("--threads", type=int, help="TensorFlow threads per worker (multi-worker)")
+    scale.add_argument("--cpus", type=int, help="virtual CPU devices here (mirrored; default max(8, counts))")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from workbench._src.demo import demo as run_demo
 
         run_demo(replicas=args.replicas, steps=args.steps, out=args.out)
         return 0
+    if args.command == "scale":
+        from workbench._src.run_file import scale_file
+
+        return scale_file(args)
     from workbench._src.run_file import run_file
 
     return run_file(args)

@@ -17,8 +17,9 @@ model = keras.Sequential(
 optimizer = repl.wrap_optimizer(keras.optimizers.Adam(0.01))  # noqa: F821 - given by the workbench
 
 
-def input_fn(ctx):
-    return tf.data.Dataset.from_tensor_slices((features, labels)).repeat().batch(32)
+def input_fn(ctx):  # 32 examples a step, or the batch a scaling study prescribes
+    batch = ctx.global_batch_size or 32
+    return tf.data.Dataset.from_tensor_slices((features, labels)).repeat().batch(batch, drop_remainder=True)
 
 
 def step_fn(x, y):

@@ -56,6 +56,7 @@ class Program:
         self._iterator_finalizer.atexit = False  # exit deletes it through reaper.track instead
         reaper.track(self)
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
+        self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
         self.metric_names: list[str] | None = None  # scalar outputs, found while tracing
         t = tf()
         self._one_step = t.function(self._one_step_graph)
@@ -126,6 +127,7 @@ class Program:
             rows, done = call_compiled(self._fused, self.iterator, t.constant(n))
         except t.errors.InvalidArgumentError as e:
             raise _translated(e) from None
+        self.fused_traced = True
         done = int(done)
         self.steps_done += done
         return rows.numpy()[:done], done

@@ -66,6 +66,57 @@ def run_file(args) -> int:
     return 0 if run.status in ("finished", "stopped", "interrupted") else 1
 
 
+def scale_file(args) -> int:
+    """`workbench scale FILE.py`: the file as the setup of wb.scaling_study (as a
+    `%%replicate --scaling` cell is); prints the table, writes the PNG and, if asked, a CSV."""
+    path = Path(args.file)
+    if not path.is_file():
+        print(
+            f"workbench scale: no such file: {args.file!r}. Give a Python file that builds its model "
+            "and defines input_fn(ctx) (batching to ctx.global_batch_size) and step_fn.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        counts = [int(n) for n in args.replicas.split(",")]
+    except ValueError:
+        print(
+            f"workbench scale: --replicas takes counts like 1,2,4; received {args.replicas!r}.",
+            file=sys.stderr,
+        )
+        return 2
+    from workbench._src import tf_setup
+    from workbench._src.backends.multi_worker import CellSetup
+    from workbench._src.scaling import scaling_study
+
+    if args.backend == "mirrored":  # a machine with GPUs keeps its GPUs
+        tf_setup.configure_devices(cpus=args.cpus or max(8, *counts))
+    sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
+    # A fresh namespace per configuration; the source (not a code object) so that it also
+    # travels to worker processes, and the file's name so tracebacks and AutoGraph find it.
+    setup = CellSetup(path.read_text(), {"__file__": str(path.resolve())}, filename=str(path))
+    options = {"threads_per_worker": args.threads} if args.backend == "multi-worker" and args.threads else {}
+    try:
+        study = scaling_study(
+            setup=setup, backend=args.backend, replicas=counts, mode=args.mode,
+            batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+            steps_per_execution=args.steps_per_execution, path=args.out, live=False, **options,
+        )  # fmt: skip
+    except WorkbenchError as e:
+        print(f"workbench scale: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    table = study.table
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+    columns = ["replicas", "global_batch", "per_replica_batch", "step_time_median_s", "step_time_p90_s",
+               "examples_per_sec", "speedup", "efficiency", "devices_kind"]  # fmt: skip
+    print(table[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    if table["threads_note"].iloc[-1]:  # the most replicas: the strongest caveat
+        print(f"note: {table['threads_note'].iloc[-1]}")
+    print(f"figure: {study.path}" + (f"\ntable: {args.csv}" if args.csv else ""))
+    return 0
+
+
 def _make_replicator(args):
     from workbench._src.backends import replicator
 

@@ -144,6 +144,9 @@ class _Loop:
         start = time.perf_counter()
         k = self.fixed_k or 1
         first_call = True
+        # The first call of a program's fused loop traces and compiles it: not a throughput. A
+        # later run of the same program (e.g. after a warm-up run) is timed from its first step.
+        compiling = not program.fused_traced
         while program.steps_done < target:
             k = min(k, target - program.steps_done, self._steps_to_next_checkpoint())
             # Multi-worker replicas must run chunks of the same length and stop together; the
@@ -158,8 +161,8 @@ class _Loop:
             rows, done = program.run_fused(k)
             t1 = time.perf_counter()
             if first_call:
-                run.compile_seconds = t1 - t0
-            self._record(rows, first, t0 - start, t1 - start, timed=not first_call)
+                run.compile_seconds = t1 - t0 if compiling else 0.0
+            self._record(rows, first, t0 - start, t1 - start, timed=not (first_call and compiling))
             bad = self._first_nonfinite(rows, first)
             if bad and self.on_nonfinite != "ignore":
                 return "non-finite", bad

@@ -678,16 +678,19 @@ class CellSetup:
     step_fn and input_fn it defines. It pickles (the source travels, not code objects), so
     worker processes can build the cell's model themselves."""
 
-    def __init__(self, source: str, namespace: dict | None):
-        self.source, self.namespace = source, namespace
+    def __init__(self, source: str, namespace: dict | None, filename: str = "<%%replicate cell>"):
+        self.source, self.namespace, self.filename = source, namespace, filename
 
     def __call__(self, repl):
         namespace = {**(self.namespace or {}), "repl": repl}
         namespace.setdefault("__name__", "__main__")
-        exec(compile(self.source, "<%%replicate cell>", "exec"), namespace)
+        exec(compile(self.source, self.filename, "exec"), namespace)
         step_fn, input_fn = namespace.get("step_fn"), namespace.get("input_fn")
         if not callable(step_fn) or not callable(input_fn):
-            raise ConfigurationError("the cell must define step_fn(batch) and input_fn(ctx).")
+            raise ConfigurationError(
+                f"{self.filename} must define step_fn(batch) and input_fn(ctx); it defines "
+                f"{', '.join(n for n in ('step_fn', 'input_fn') if callable(namespace.get(n))) or 'neither'}."
+            )
         return step_fn, input_fn
 
 
