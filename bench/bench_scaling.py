@@ -36,6 +36,8 @@ def main() -> None:
     import tensorflow as tf
     from sklearn.datasets import load_digits
 
+    from workbench._src.scaling import SUMMARY_COLUMNS
+
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype("float32"), y.astype("int32")
 
@@ -83,20 +85,7 @@ def main() -> None:
         **options,
     )
     study.table.to_csv(os.path.join(args.out, f"{name}.csv"), index=False)
-    cols = [
-        "replicas",
-        "global_batch",
-        "per_replica_batch",
-        "examples_per_sec",
-        "step_time_median_s",
-        "step_time_p90_s",
-        "speedup",
-        "efficiency",
-        "compile_seconds",
-        "devices_kind",
-        "physical_cores",
-        "threads_per_replica",
-    ]
+    cols = [*SUMMARY_COLUMNS, "compile_seconds", "devices_kind", "physical_cores", "threads_per_replica"]
     with pd.option_context("display.width", 200, "display.float_format", "{:.4g}".format):
         print(study.table[cols].to_string(index=False))
     print(study.table["threads_note"].iloc[-1])

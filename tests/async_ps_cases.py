@@ -16,10 +16,10 @@ import tensorflow as tf
 from test_process_backends import (  # noqa: F401 - no_orphans is an autouse fixture
     PROCESS_CELL,
     cluster_processes,
-    make_model,
     no_orphans,
     notebook,
     regression_input_fn,
+    regression_model_and_step,
     train_regression,
     wait_for_steps,
 )
@@ -42,19 +42,8 @@ def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():
 
 
 def async_model(repl, lr=0.05):
-    import keras
-
     with repl.context():
-        model = make_model()
-        opt = repl.wrap_optimizer(keras.optimizers.SGD(lr))
-
-    def step_fn(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - y) ** 2)
-        opt.minimize(loss, model.trainable_variables, tape=tape)
-        return {"loss": loss}
-
-    return model, step_fn
+        return regression_model_and_step(repl, lr)
 
 
 def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():

@@ -154,11 +154,12 @@ def test_multi_worker_conformance_matches_one_device():
         np.testing.assert_allclose(r["adam"][1], adam_losses, atol=1e-5)
 
 
-def regression_setup(repl):
+def regression_model_and_step(repl, lr=0.05):
+    """The regression model and an SGD step_fn for it (call inside repl.context())."""
     import keras
 
     model = make_model()
-    opt = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
+    opt = repl.wrap_optimizer(keras.optimizers.SGD(lr))
 
     def step_fn(x, y):
         with tf.GradientTape() as tape:
@@ -166,6 +167,11 @@ def regression_setup(repl):
         opt.minimize(loss, model.trainable_variables, tape=tape)
         return {"loss": loss}
 
+    return model, step_fn
+
+
+def regression_setup(repl):
+    _, step_fn = regression_model_and_step(repl)
     return step_fn, regression_input_fn
 
 

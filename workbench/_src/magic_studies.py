@@ -101,16 +101,13 @@ def _cell_for_workers(magics, cell: str, replicas: int):
     does), so its mistakes show at once and the notebook has its names; then its source and the
     notebook's picklable names go to the workers, which build the model themselves.
     """
-    from workbench._src.backends.multi_worker import CellSetup, MultiWorkerReplicator, picklable_namespace
+    from workbench._src.backends.multi_worker import MultiWorkerReplicator
 
     ns = magics.shell.user_ns
     ns["repl"] = launcher = MultiWorkerReplicator.from_replicas(replicas)
-    code = magics.compile_cell(cell)
-    with launcher.context():
-        exec(code, ns)
+    setup, _variables_here = launcher.setup_from_cell(magics.shell.transform_cell(cell), ns)
     magics.defined_functions()  # the cell must define step_fn and input_fn
-    shipped, _skipped = picklable_namespace(ns)
-    return CellSetup(magics.shell.transform_cell(cell), shipped)
+    return setup
 
 
 def compare_form(magics, args, cell: str | None):

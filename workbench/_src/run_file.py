@@ -87,7 +87,7 @@ def scale_file(args) -> int:
         return 2
     from workbench._src import tf_setup
     from workbench._src.backends.multi_worker import CellSetup
-    from workbench._src.scaling import scaling_study
+    from workbench._src.scaling import SUMMARY_COLUMNS, scaling_study
 
     if args.backend == "mirrored":  # a machine with GPUs keeps its GPUs
         tf_setup.configure_devices(cpus=args.cpus or max(8, *counts))
@@ -108,8 +108,7 @@ def scale_file(args) -> int:
     table = study.table
     if args.csv:
         table.to_csv(args.csv, index=False)
-    columns = ["replicas", "global_batch", "per_replica_batch", "step_time_median_s", "step_time_p90_s",
-               "examples_per_sec", "speedup", "efficiency", "devices_kind"]  # fmt: skip
+    columns = [*SUMMARY_COLUMNS, "devices_kind"]
     print(table[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     if table["threads_note"].iloc[-1]:  # the most replicas: the strongest caveat
         print(f"note: {table['threads_note'].iloc[-1]}")

@@ -17,6 +17,7 @@ modes the speed-up is a ratio of examples per second.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -30,6 +31,17 @@ Mode = Literal["weak", "strong"]
 
 # TF-Replicator paper (Buchlovsky et al. 2019), ResNet-50 on ImageNet, minutes to train.
 TF_REPLICATOR_RESNET50_MINUTES = {1: 7118.0, 8: 1049.0, 32: 330.0, 64: 182.0}
+# The columns a reader looks at first (the table has more: compile, start-up, devices, ...).
+SUMMARY_COLUMNS = (
+    "replicas",
+    "global_batch",
+    "per_replica_batch",
+    "examples_per_sec",
+    "step_time_median_s",
+    "step_time_p90_s",
+    "speedup",
+    "efficiency",
+)
 REFERENCES = {"tf-replicator-resnet50": ("TF-Replicator ResNet-50 (paper)", TF_REPLICATOR_RESNET50_MINUTES)}
 
 
@@ -190,20 +202,7 @@ class ScalingStudy:
 
         from workbench._src.scaling_plot import png_bytes
 
-        cols = [
-            c
-            for c in (
-                "replicas",
-                "global_batch",
-                "per_replica_batch",
-                "examples_per_sec",
-                "step_time_median_s",
-                "step_time_p90_s",
-                "speedup",
-                "efficiency",
-            )
-            if c in self.table
-        ]
+        cols = [c for c in SUMMARY_COLUMNS if c in self.table]
         html = self.table[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}")
         img = base64.b64encode(png_bytes(self)).decode()
         return f"<b>wb.ScalingStudy</b> ({self.mode})<br><img src='data:image/png;base64,{img}'/>{html}"
@@ -371,13 +370,8 @@ def _measure_here(repl, build: _Build, warmup: int, steps: int, name: str, optio
     from workbench._src.reaper import discard_programs
 
     step, inputs = build(repl)
-    try:
+    with _batch_errors_translated(build.context_for(repl)):
         warm = repl.train(step, inputs, steps=warmup, name=f"{name} warm-up", **options)
-    except Exception as e:  # noqa: BLE001 - re-raised, translated when it is our assertion
-        translated = _translated_batch_error(e, build.context_for(repl))
-        if translated is e:
-            raise
-        raise translated from None
     run = repl.train(step, inputs, steps=steps, name=name, **options)
     # This configuration is done: delete its input iterator now, off the main thread
     # (reaper.py), rather than freeze the notebook whenever the garbage collector finds it.
@@ -390,13 +384,8 @@ def _measure_in_workers(repl, build: _Build, warmup: int, steps: int, name: str,
     """The same on a process backend: one launch per configuration; the workers build the model
     (`build` travels to them), run the warm-up in the same processes, then the measured steps,
     whose per-step times stream back into the returned run."""
-    try:
+    with _batch_errors_translated(build.context_for(repl)):
         run = repl.train(setup=build, steps=steps, warmup=warmup, name=name, **options)
-    except Exception as e:  # noqa: BLE001 - re-raised, translated when it is our assertion
-        translated = _translated_batch_error(e, build.context_for(repl))
-        if translated is e:
-            raise
-        raise translated from None
     return run, run.compile_seconds
 
 
@@ -482,6 +471,19 @@ def _batch_size_error(ctx, expected: int, name: str, received: str) -> Configura
         f"examples/s from the prescribed batch. Fix: batch to the context's size, e.g. "
         f"`.batch({name}, drop_remainder=True)`."
     )
+
+
+@contextlib.contextmanager
+def _batch_errors_translated(ctx):
+    """The pipeline assertion of `_check_batch_size`, raised inside, becomes the study's
+    ConfigurationError (also when it arrives from a worker as a WorkerError); others pass."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised, translated when it is our assertion
+        translated = _translated_batch_error(e, ctx)
+        if translated is e:
+            raise
+        raise translated from None
 
 
 def _translated_batch_error(error: BaseException, ctx) -> BaseException:

@@ -259,7 +259,9 @@ class MultiWorkerReplicator(Replicator):
           setup: setup(repl) runs on each worker inside repl.context(), builds the model and
             optimizer and returns (step_fn, input_fn) (or a dict with those keys).
           warmup: steps each worker runs first, in the same processes, that the run does not
-            record (they absorb tracing; `run.compile_seconds` is theirs). Scaling studies use it.
+            record: they absorb tracing, so every recorded step is timed. A launched run's
+            `compile_seconds` is the warm-up's (inside a cluster the run's own is 0, as for any
+            run of an already traced program). Scaling studies use it.
           Other options: as `Replicator.train` (steps_per_execution, reduce, checkpoint_dir,
           background, sinks, name, ...).
         """
@@ -294,14 +296,20 @@ class MultiWorkerReplicator(Replicator):
             with self.context():
                 exec(compile(source, "<%%replicate cell>", "exec"), namespace)
             return super().train(namespace["step_fn"], namespace["input_fn"], steps, **options)
+        setup, local_variables = self.setup_from_cell(source, namespace)
+        return self._train_launched(_TrainWork(setup=setup), steps, options, local_variables=local_variables)
+
+    def setup_from_cell(self, source: str, namespace: dict):
+        """Runs a cell's source here, in this launcher's local context, so its mistakes show at
+        once and the notebook gets its names (and `model`); returns (a CellSetup that rebuilds
+        the cell in each worker, with the notebook's picklable names, the variables it made here).
+        """
         namespace.setdefault("repl", self)
         first = len(self._created_variables)
         with self.context():
             exec(compile(source, "<%%replicate cell>", "exec"), namespace)
-        local_variables = self._created_variables[first:]
         shipped, _skipped = picklable_namespace(namespace)
-        work = _TrainWork(source=source, namespace=shipped)
-        return self._train_launched(work, steps, options, local_variables=local_variables)
+        return CellSetup(source, shipped), self._created_variables[first:]
 
     def __reduce__(self):
         # Pickled into a worker (inside a function that mentions `repl`), the launcher's
@@ -617,21 +625,17 @@ def _unpack_setup(built):
 
 # ----- what travels to the workers ---------------------------------------------------------------
 class _TrainWork:
-    """Train on a worker: from a cell's source, a setup function, or self-contained functions."""
+    """Train on a worker: from a setup function (a cell's is a CellSetup) or self-contained functions."""
 
-    def __init__(self, step_fn=None, input_fn=None, setup=None, source=None, namespace=None):
+    def __init__(self, step_fn=None, input_fn=None, setup=None):
         self.step_fn, self.input_fn, self.setup = step_fn, input_fn, setup
-        self.source, self.namespace = source, namespace
         self.steps, self.options, self.warmup = None, {}, 0
 
     def __call__(self, repl, link):
         from workbench._src import session
 
         session._set(repl, None)  # wb.current() in the cell or script is this worker's replicator
-        if self.source is not None:
-            with repl.context():
-                step_fn, input_fn = CellSetup(self.source, self.namespace)(repl)
-        elif self.setup is not None:
+        if self.setup is not None:
             with repl.context():
                 step_fn, input_fn = _unpack_setup(self.setup(repl))
         else:
