@@ -31,9 +31,9 @@ def define_toy(repl, namespace: dict) -> dict:
 
 @contextlib.contextmanager
 def isolated_notebook_state(runs_dir):
-    """Runs recorded under runs_dir; session, run store and SINK_FACTORIES restored afterwards."""
+    """Runs recorded under runs_dir; session, run store and default sinks restored afterwards."""
     from workbench._src import runstore, session
-    from workbench._src.train_loop import SINK_FACTORIES
+    from workbench._src.sinks import _default_factories as SINK_FACTORIES
 
     factories = list(SINK_FACTORIES)
     override = runstore._override
@@ -51,7 +51,7 @@ def ipython_shell():
     """The in-process IPython shell (started once per test process), with the extension loaded."""
     from IPython.testing.globalipapp import get_ipython, start_ipython
 
-    from workbench._src.train_loop import SINK_FACTORIES
+    from workbench._src.sinks import _default_factories as SINK_FACTORIES
 
     factories = list(SINK_FACTORIES)
     ip = start_ipython() or get_ipython()

@@ -42,7 +42,7 @@ def test_load_ext_registers_the_magic_and_configures_virtual_cpus(ip):
     assert "replicate" in ip.magics_manager.magics["cell"]
     assert wb.device_summary()["virtual_cpus"] >= 4
     from workbench._src import runstore
-    from workbench._src.train_loop import SINK_FACTORIES
+    from workbench._src.sinks import _default_factories as SINK_FACTORIES
 
     runstore.uninstall()
     ip.run_line_magic("reload_ext", "workbench")  # what a fresh kernel's %load_ext does

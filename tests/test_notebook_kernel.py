@@ -109,7 +109,7 @@ def test_a_jupyter_interrupt_stops_the_run_at_a_step_boundary(tmp_path, monkeypa
         setup = (
             PREAMBLE
             + "\n%replicate --backend mirrored --replicas 2\n"
-            + "from workbench._src.train_loop import SINK_FACTORIES\n"
+            + "from workbench._src.sinks import _default_factories as SINK_FACTORIES\n"
             + "SINK_FACTORIES.append(lambda run: lambda e: print('TRAINING', flush=True) if e.kind == 'metrics' and e.step >= 20 and not hasattr(run, '_told') and not setattr(run, '_told', 1) else None)\n"
             + "repl = wb.current()\nwith repl.context():\n    exec("
             + repr(TOY_CELL)

@@ -23,12 +23,13 @@ import tensorflow as tf
 from IPython.core.error import UsageError
 
 import workbench as wb
-from workbench._src.local_cluster import Channel, ProcessGroup
+from workbench._src.launch.channel import Channel
+from workbench._src.launch.processes import ProcessGroup
 
 # Functions defined here travel to the workers by value (the workers cannot import tests/).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CLUSTER_MODULES = ("workbench._src.worker_main", "workbench._src.server_main")
+CLUSTER_MODULES = ("workbench._src.launch.worker_main", "workbench._src.launch.server_main")
 RNG = np.random.RandomState(0)
 X = RNG.randn(64, 8).astype("float32")
 Y = RNG.randn(64, 1).astype("float32")
@@ -239,7 +240,7 @@ def test_multi_worker_frozen_worker_is_named_within_30_seconds():
 
 
 def test_peer_that_never_starts_gives_a_startup_timeout(tmp_path):
-    from workbench._src.local_cluster import free_ports
+    from workbench._src.launch.processes import free_ports
 
     ports = free_ports(2)
     tf_config = {

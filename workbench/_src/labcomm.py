@@ -64,11 +64,10 @@ def register(ipython=None) -> bool:
         import comm
 
         from workbench._src import session
-        from workbench._src.train_loop import SINK_FACTORIES
+        from workbench._src.sinks import register_default
 
         comm.get_comm_manager().register_target(TARGET, _on_open)
-        if _watch not in SINK_FACTORIES:
-            SINK_FACTORIES.append(_watch)
+        register_default(_watch)
         session.observe(_on_session_change)
         _describe_session()
         _registered = True
@@ -202,7 +201,7 @@ def _device_info() -> dict:
 
 
 def _watch(run) -> _RunWatcher:
-    """The sink factory (train_loop.SINK_FACTORIES): one watcher per run that starts."""
+    """The default-sink factory (workbench._src.sinks): one watcher per run that starts."""
     watcher = _RunWatcher(run)
     with _lock:
         _watchers[watcher.run_id] = watcher

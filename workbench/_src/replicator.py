@@ -202,7 +202,7 @@ class Replicator:
         one (a tf.train.Checkpoint or a dict of trackables); default: the variables created in
         repl.context(), matched in creation order.
         """
-        from workbench._src.train_loop import restore_latest
+        from workbench._src.checkpoints import restore_latest
 
         return restore_latest(self, checkpoint_dir, checkpoint)
 

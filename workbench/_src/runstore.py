@@ -8,7 +8,7 @@ Layout, one folder per run under the runs directory (default ./runs; WORKBENCH_R
            dashboard.png   the run's figure
            tb/             TensorBoard event files (`tensorboard --logdir runs`)
 Reading them back: `workbench._src.runhistory` (wb.runs, wb.load_run).
-The recorder is a sink registered in train_loop.SINK_FACTORIES by `install()` (which
+The recorder is a sink registered as a default sink (workbench._src.sinks) by `install()` (which
 `%load_ext workbench` and `wb.set_runs_dir` call); the heavy writing happens at the end.
 """
 
@@ -75,19 +75,17 @@ def directory(path: str | os.PathLike | None):
 
 
 def install() -> None:
-    """Records every run from now on (idempotent): adds the recorder to SINK_FACTORIES."""
-    from workbench._src.train_loop import SINK_FACTORIES
+    """Records every run from now on (idempotent): the recorder becomes a default sink."""
+    from workbench._src.sinks import register_default
 
-    if _recorder_factory not in SINK_FACTORIES:
-        SINK_FACTORIES.append(_recorder_factory)
+    register_default(_recorder_factory)
 
 
 def uninstall() -> None:
     """Stops recording new runs."""
-    from workbench._src.train_loop import SINK_FACTORIES
+    from workbench._src.sinks import unregister_default
 
-    while _recorder_factory in SINK_FACTORIES:
-        SINK_FACTORIES.remove(_recorder_factory)
+    unregister_default(_recorder_factory)
 
 
 def record_dir(run_id: str | None) -> Path | None:

@@ -42,7 +42,7 @@ from workbench._src.program import Program, call_compiled
 from workbench._src.replicator import Replicator
 from workbench._src.tf_setup import tf
 
-SERVER_MODULE = "workbench._src.server_main"
+SERVER_MODULE = "workbench._src.launch.server_main"
 CHUNK_SECONDS = 0.2
 _connected = None  # weakref to the replicator whose cluster this process uses (one at a time)
 
@@ -150,14 +150,14 @@ class MultiWorkerAsyncReplicator(Replicator):
     def _resolver(self):
         t = tf()
         if self._cluster_option is not None:
-            from workbench._src.backends.multi_worker import _cluster_resolver
+            from workbench._src.cluster_resolver import cluster_resolver
 
-            resolver = _cluster_resolver(self._cluster_option)
+            resolver = cluster_resolver(self._cluster_option)
             spec = resolver.cluster_spec().as_dict()
             self._num_workers = len(spec.get("worker", []))
             self.num_ps = len(spec.get("ps", []))
             return resolver
-        from workbench._src.local_cluster import ProcessGroup, free_ports, port_open
+        from workbench._src.launch.processes import ProcessGroup, free_ports, port_open
 
         ports = free_ports(self._num_workers + self.num_ps + 1)
         cluster = {
@@ -357,12 +357,13 @@ def train_async(
     name=None,
 ):
     """The async run loop: keeps every worker busy with chunks, records results as they return."""
-    from workbench._src.train_loop import _check_options, _Saver, drive, new_run
+    from workbench._src.checkpoints import Saver
+    from workbench._src.train_loop import _check_options, drive, new_run
 
     _check_options(steps, steps_per_execution, reduce, on_nonfinite, checkpoint_every, checkpoint_dir)
     program = repl._program(step_fn, input_fn)
     run = new_run(repl, step_fn, input_fn, steps, steps_per_execution, sinks, name)
-    saver = _Saver(repl, program, checkpoint_dir, checkpoint) if checkpoint_dir else None
+    saver = Saver(repl, program, checkpoint_dir, checkpoint) if checkpoint_dir else None
     loop = _AsyncLoop(run, repl, program, steps, steps_per_execution, saver, checkpoint_every, on_nonfinite)
     return drive(run, loop.run_catching, background, on_nonfinite)
 

@@ -31,11 +31,12 @@ import time
 import traceback
 from collections.abc import Callable
 
+from workbench._src.cluster_resolver import cluster_resolver
 from workbench._src.errors import ConfigurationError, WorkerError
 from workbench._src.replicator import Replicator
 from workbench._src.tf_setup import tf
 
-WORKER_MODULE = "workbench._src.worker_main"
+WORKER_MODULE = "workbench._src.launch.worker_main"
 _launched_worker = False  # True in a worker process the workbench started
 _worker_instance = None  # that worker's in-cluster replicator
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
@@ -73,7 +74,7 @@ class MultiWorkerReplicator(Replicator):
         for name, value in (("num_workers", num_workers), ("devices_per_worker", devices_per_worker)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive integer; received {name}={value!r}.")
-        self._resolver = _cluster_resolver(cluster) if cluster is not None else None
+        self._resolver = cluster_resolver(cluster) if cluster is not None else None
         self._in_cluster = cluster is not None or _launched_worker
         self._num_workers = num_workers
         self.devices_per_worker = devices_per_worker or 1
@@ -179,7 +180,7 @@ class MultiWorkerReplicator(Replicator):
 
     @staticmethod
     def _unreachable_peers(resolver) -> list[str]:
-        from workbench._src.local_cluster import port_open
+        from workbench._src.launch.processes import port_open
 
         missing = []
         for job, addresses in resolver.cluster_spec().as_dict().items():
@@ -362,7 +363,8 @@ class MultiWorkerReplicator(Replicator):
         """Starts the workers, hands them `work`, follows them to the end; returns task -> result."""
         import cloudpickle  # noqa: F401 - fail early if missing
 
-        from workbench._src.local_cluster import Channel, ProcessGroup, free_ports
+        from workbench._src.launch.channel import Channel
+        from workbench._src.launch.processes import ProcessGroup, free_ports
 
         payload = dumps_for_workers(work)
         group = ProcessGroup(self.backend)
@@ -582,7 +584,7 @@ def _start_join_watchdog(resolver, timeout: float):
     }
     me = f"{resolver.task_type} {resolver.task_id}"
     return subprocess.Popen(
-        [sys.executable, "-m", "workbench._src.join_watchdog", str(os.getpid()), str(timeout), me,
+        [sys.executable, "-m", "workbench._src.launch.join_watchdog", str(os.getpid()), str(timeout), me,
          json.dumps(addresses)],
         stdin=subprocess.PIPE,
     )  # fmt: skip
@@ -796,35 +798,6 @@ def picklable_namespace(namespace: dict) -> tuple[dict, list[str]]:
             continue
         kept[name] = value
     return kept, skipped
-
-
-def _cluster_resolver(cluster):
-    t = tf()
-    resolvers = t.distribute.cluster_resolver
-    if isinstance(cluster, resolvers.ClusterResolver):
-        return cluster
-    if isinstance(cluster, str) and cluster.upper() == "TF_CONFIG":
-        if not os.environ.get("TF_CONFIG"):
-            raise ConfigurationError(
-                "cluster='TF_CONFIG' but the TF_CONFIG environment variable is not set. Fix: export "
-                'TF_CONFIG=\'{"cluster": {"worker": ["host1:port", "host2:port"]}, "task": '
-                '{"type": "worker", "index": 0}}\' on each host.'
-            )
-        return resolvers.TFConfigClusterResolver()
-    if isinstance(cluster, str) and cluster.lower() == "slurm":
-        return resolvers.SlurmClusterResolver()
-    if isinstance(cluster, dict) and "cluster" in cluster and "task" in cluster:
-        task = cluster["task"]
-        return resolvers.SimpleClusterResolver(
-            t.train.ClusterSpec(cluster["cluster"]),
-            task_type=task["type"],
-            task_id=int(task["index"]),
-            rpc_layer="grpc",
-        )
-    raise ConfigurationError(
-        "cluster must be 'TF_CONFIG', 'slurm', a TF_CONFIG-style dict {'cluster': {...}, 'task': "
-        f"{{'type': 'worker', 'index': i}}}}, or a tf.distribute cluster resolver; received {cluster!r:.120}."
-    )
 
 
 def format_exception(error: BaseException) -> dict:

@@ -1,4 +1,4 @@
-"""Deadline for joining a real multi-worker cluster: `python -m workbench._src.join_watchdog`.
+"""Deadline for joining a real multi-worker cluster: `python -m workbench._src.launch.join_watchdog`.
 
 TensorFlow's MultiWorkerMirroredStrategy waits forever for a peer that never starts and holds
 the interpreter while it waits, so the process cannot time itself out. This watchdog, started
@@ -26,7 +26,7 @@ def main() -> None:
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     if ready:
         return
-    from workbench._src.local_cluster import port_open
+    from workbench._src.launch.processes import port_open
 
     missing = []
     for task, address in addresses.items():

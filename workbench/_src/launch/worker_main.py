@@ -1,4 +1,4 @@
-"""A worker process of a local multi-worker run: `python -m workbench._src.worker_main`.
+"""A worker process of a local multi-worker run: `python -m workbench._src.launch.worker_main`.
 
 Started by MultiWorkerReplicator's launcher with TF_CONFIG and the channel's address and key in
 its environment. It connects back, receives the work (cloudpickled), builds the in-cluster
@@ -13,7 +13,7 @@ import sys
 
 
 def main() -> None:
-    from workbench._src.local_cluster import ParentLink, exit_when_parent_dies
+    from workbench._src.launch.channel import ParentLink, exit_when_parent_dies
 
     exit_when_parent_dies()
     link = ParentLink()

@@ -1,4 +1,4 @@
-"""A TensorFlow server of a local async-ps cluster: `python -m workbench._src.server_main`.
+"""A TensorFlow server of a local async-ps cluster: `python -m workbench._src.launch.server_main`.
 
 Started by MultiWorkerAsyncReplicator with the cluster spec (all 127.0.0.1 addresses) and its
 task ("worker:1", "ps:0") in the environment. It serves until its parent stops it or dies.
@@ -11,7 +11,8 @@ import os
 
 
 def main() -> None:
-    from workbench._src.local_cluster import TASK_ENV, exit_when_parent_dies
+    from workbench._src.launch.channel import exit_when_parent_dies
+    from workbench._src.launch.processes import TASK_ENV
 
     exit_when_parent_dies()
     cluster = json.loads(os.environ["WORKBENCH_CLUSTER"])

@@ -1,0 +1,187 @@
+"""Local processes for the process backends: started, watched, and always stopped.
+
+ProcessGroup starts `python -m <module>` children in their own sessions (a Jupyter interrupt
+goes to the kernel, not to them), keeps their logs, notices deaths, and stops them all with
+SIGTERM then SIGKILL (MultiWorkerMirroredStrategy ignores SIGTERM). Every live group is stopped
+at interpreter exit and when its owner is garbage collected. A child also exits by itself when
+its parent dies: it watches its stdin pipe, which the parent holds open, and EOF means the parent
+is gone (PR_SET_PDEATHSIG would be simpler but fires when the *thread* that started the child
+ends, and background runs start children from threads).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
+
+_live_groups: weakref.WeakSet = weakref.WeakSet()
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1 (held open together so none repeats)."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((LOOPBACK, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+@dataclass
+class Child:
+    role: str  # "worker" | "ps"
+    index: int
+    popen: subprocess.Popen
+    log_path: Path
+    started_at: float = field(default_factory=time.time)
+    expected_exit: bool = False  # set when the child reported it is done
+    keepalive_fd: int | None = None  # see ProcessGroup(stop_at_exit=False)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.index} (pid {self.pid})"
+
+    def exit_description(self) -> str:
+        code = self.popen.returncode
+        if code is None:
+            return "still running"
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        kept = [line for line in text.splitlines() if line.strip() and not _is_noise(line)]
+        return "\n".join(kept[-lines:])
+
+
+def _is_noise(line: str) -> bool:
+    # TensorFlow's start-up chatter on machines without CUDA; it hides the real error.
+    return any(
+        s in line for s in ("cuda", "CUDA", "cuInit", "oneDNN", "TF_ENABLE_ONEDNN", "cpu_feature_guard")
+    )
+
+
+class ProcessGroup:
+    """The processes one replicator started; `stop()` ends them all (also at exit / on GC)."""
+
+    def __init__(self, label: str, stop_at_exit: bool = True):
+        self.label = label
+        # stop_at_exit=False: at interpreter exit leave the children to the stdin-EOF rule, so
+        # they exit the moment this process is gone, not before. async-ps servers use it:
+        # TensorFlow's own clean-up at exit still talks to them (killing them first floods the
+        # log with connection errors). Their pipe's write end is duplicated into a bare fd that
+        # nothing closes before the process ends.
+        self.stop_at_exit = stop_at_exit
+        self.children: list[Child] = []
+        self.log_dir = Path(tempfile.mkdtemp(prefix="workbench-cluster-"))
+        self._stopped = False
+        _live_groups.add(self)
+        # Stops the processes even if the owner is garbage collected without stop().
+        self._finalizer = weakref.finalize(self, _stop_children, self.children)
+        self._finalizer.atexit = stop_at_exit
+
+    def start(self, role: str, index: int, module: str, env: dict[str, str], args=()) -> Child:
+        log_path = self.log_dir / f"{role}-{index}.log"
+        child_env = {**os.environ, **env, TASK_ENV: f"{role}:{index}", "PYTHONUNBUFFERED": "1"}
+        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                env=child_env,
+                stdin=subprocess.PIPE,  # held open: EOF tells the child its parent is gone
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # interrupts aimed at the kernel do not reach it
+                close_fds=True,
+            )
+        child = Child(role, index, popen, log_path)
+        if not self.stop_at_exit:
+            child.keepalive_fd = os.dup(popen.stdin.fileno())
+        self.children.append(child)
+        return child
+
+    def unexpected_exits(self) -> list[Child]:
+        return [c for c in self.children if c.popen.poll() is not None and not c.expected_exit]
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children if c.popen.poll() is None]
+
+    def pids(self) -> list[int]:
+        return [c.pid for c in self.children]
+
+    def stop(self, grace: float = 2.0) -> None:
+        """SIGTERM, then SIGKILL whatever is still there after `grace` seconds; reaps them all."""
+        self._stopped = True
+        _stop_children(self.children, grace)
+
+
+def _stop_children(children: list[Child], grace: float = 2.0) -> None:
+    alive = [c for c in children if c.popen.poll() is None]
+    for c in alive:
+        _signal(c, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in alive:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for c in alive:
+        if c.popen.poll() is None:
+            _signal(c, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.popen.wait(timeout=5)
+    for c in children:
+        with contextlib.suppress(OSError, ValueError):
+            if c.popen.stdin:
+                c.popen.stdin.close()
+        if c.keepalive_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(c.keepalive_fd)
+            c.keepalive_fd = None
+
+
+def _signal(child: Child, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, sig)  # the child's own session: its helpers go too
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(child.pid, sig)
+
+
+@atexit.register
+def _stop_all_groups() -> None:
+    for group in list(_live_groups):
+        if group.stop_at_exit:
+            with contextlib.suppress(Exception):
+                group.stop(grace=1.0)
