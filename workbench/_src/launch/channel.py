@@ -1,9 +1,12 @@
 """The authenticated channel between a launcher and the processes it started.
 
-Channel (parent side) listens on 127.0.0.1 with a random key (multiprocessing.connection); the
-children connect back: they send hello, heartbeats, events and results; the parent sends the
-work and stop requests. A connection must know the key and introduce itself with the pid of a
-process the group started, or it is dropped. ParentLink is the child side.
+Channel (parent side) listens on a Unix socket in a private folder (mode 0700) with a random key
+(multiprocessing.connection); the children connect back: they send hello, heartbeats, events and
+results; the parent sends the work and stop requests. A Unix socket because the children may run
+in a private network namespace (netns.py) where the launcher's 127.0.0.1 is not theirs, while a
+path in the file system is reachable from every network namespace. A connection must know the key
+and come from a process the group started (the kernel's SO_PEERCRED pid, which the hello must
+repeat), or it is dropped. ParentLink is the child side.
 """
 
 from __future__ import annotations
@@ -12,15 +15,18 @@ import contextlib
 import os
 import queue
 import secrets
+import shutil
 import socket
+import struct
 import sys
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
-from workbench._src.launch.processes import LOOPBACK, TASK_ENV, ProcessGroup
+from workbench._src.launch.processes import TASK_ENV, ProcessGroup
 
-CHANNEL_ENV = "WORKBENCH_CHANNEL"  # host:port of the parent's channel
+CHANNEL_ENV = "WORKBENCH_CHANNEL"  # path of the parent's Unix socket (or host:port, older form)
 CHANNEL_KEY_ENV = "WORKBENCH_CHANNEL_KEY"  # hex key; in the environment, never on the command line
 
 
@@ -30,8 +36,12 @@ class Channel:
     def __init__(self, group: ProcessGroup):
         self.group = group
         self.key = secrets.token_bytes(32)
-        self._listener = Listener((LOOPBACK, 0), authkey=self.key)
-        self.address = self._listener.address
+        # mkdtemp makes the folder 0700: only this user may even reach the socket. /tmp when
+        # TMPDIR is so long that the path would pass the 107-byte limit of a socket address.
+        base = None if len(tempfile.gettempdir()) < 60 else "/tmp"
+        self.folder = tempfile.mkdtemp(prefix="workbench-channel-", dir=base)
+        self.address = os.path.join(self.folder, "channel.sock")  # a path (was: a (host, port))
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.key)
         self.messages: queue.Queue = queue.Queue()  # (task, message dict)
         self._connections: dict[str, Connection] = {}
         self._send_lock = threading.Lock()
@@ -40,8 +50,7 @@ class Channel:
         threading.Thread(target=self._accept_loop, name="workbench channel", daemon=True).start()
 
     def env(self) -> dict[str, str]:
-        host, port = self.address
-        return {CHANNEL_ENV: f"{host}:{port}", CHANNEL_KEY_ENV: self.key.hex()}
+        return {CHANNEL_ENV: self.address, CHANNEL_KEY_ENV: self.key.hex()}
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -68,7 +77,9 @@ class Channel:
         except (EOFError, OSError):
             hello = None
         task = hello.get("task") if isinstance(hello, dict) else None
-        if not task or hello.get("pid") not in self.group.pids():
+        peer = _peer_pid(conn)
+        pid = hello.get("pid") if task else None
+        if not task or pid not in self.group.pids() or (peer is not None and peer != pid):
             self.rejected += 1  # not one of the processes this group started
             conn.close()
             return
@@ -98,14 +109,32 @@ class Channel:
             self.send(task, message)
 
     def close(self) -> None:
+        """Stops listening, drops every connection, removes the socket's folder."""
+        if self._closed:
+            return
         self._closed = True
         with contextlib.suppress(OSError):  # wake the accept() blocked in the accept thread
-            socket.create_connection(self.address, timeout=1).close()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(1)
+                s.connect(self.address)
         with contextlib.suppress(Exception):
             self._listener.close()
-        for conn in self._connections.values():
+        for conn in list(self._connections.values()):
             with contextlib.suppress(Exception):
                 conn.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _peer_pid(conn: Connection) -> int | None:
+    """The pid of the process at the other end of a Unix socket, as the kernel knows it."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            if s.family != socket.AF_UNIX:
+                return None
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, ValueError):
+        return None
+    return struct.unpack("3i", creds)[0]
 
 
 # ----- child side ------------------------------------------------------------------------------
@@ -114,9 +143,13 @@ class ParentLink:
 
     def __init__(self):
         self.task = os.environ.get(TASK_ENV, "worker:0")
-        host, port = os.environ[CHANNEL_ENV].rsplit(":", 1)
+        address = os.environ[CHANNEL_ENV]
         key = bytes.fromhex(os.environ.pop(CHANNEL_KEY_ENV))  # not inherited by anything we start
-        self.conn = Client((host, int(port)), authkey=key)
+        if address.startswith("/"):
+            self.conn = Client(address, family="AF_UNIX", authkey=key)
+        else:  # host:port, from a launcher that listens on TCP
+            host, port = address.rsplit(":", 1)
+            self.conn = Client((host, int(port)), authkey=key)
         self._lock = threading.Lock()
         self.send({"type": "hello", "task": self.task, "pid": os.getpid()})
 

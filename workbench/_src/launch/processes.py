@@ -7,6 +7,11 @@ at interpreter exit and when its owner is garbage collected. A child also exits 
 its parent dies: it watches its stdin pipe, which the parent holds open, and EOF means the parent
 is gone (PR_SET_PDEATHSIG would be simpler but fires when the *thread* that started the child
 ends, and background runs start children from threads).
+
+With `private_network=True` (the default) all children share one network namespace holding only
+a loopback device (netns.py): TensorFlow's gRPC servers, which bind every interface, are then
+reachable from nowhere but inside it. The launcher reaches them over the channel's Unix socket;
+it cannot connect to their ports itself (`group.port_open(port)` looks inside instead).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,8 +30,11 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbench._src.launch import netns
+
 LOOPBACK = "127.0.0.1"
 TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
+KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
 
@@ -45,6 +54,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def port_open(port: int, host: str = LOOPBACK) -> bool:
+    """Whether something accepts TCP connections at host:port in *this* process's network."""
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.settimeout(0.2)
         return s.connect_ex((host, port)) == 0
@@ -96,9 +106,18 @@ def _is_noise(line: str) -> bool:
 
 
 class ProcessGroup:
-    """The processes one replicator started; `stop()` ends them all (also at exit / on GC)."""
+    """The processes one replicator started; `stop()` ends them all (also at exit / on GC).
 
-    def __init__(self, label: str, stop_at_exit: bool = True):
+    Args:
+      label: names the group in messages ("multi-worker", "async-ps").
+      stop_at_exit: see below.
+      private_network: run every child in one loopback-only network namespace (see netns.py).
+        Where the system refuses namespaces, a warning says so once and the children use the host
+        network; `network_isolated` tells which. Inside a private network already (a child of
+        another group), the children inherit it and no new one is made.
+    """
+
+    def __init__(self, label: str, stop_at_exit: bool = True, private_network: bool = True):
         self.label = label
         # stop_at_exit=False: at interpreter exit leave the children to the stdin-EOF rule, so
         # they exit the moment this process is gone, not before. async-ps servers use it:
@@ -107,32 +126,65 @@ class ProcessGroup:
         # nothing closes before the process ends.
         self.stop_at_exit = stop_at_exit
         self.children: list[Child] = []
+        self.network = (
+            netns.open_network(f"{label} cluster") if private_network else netns.PrivateNetwork(False)
+        )
         self.log_dir = Path(tempfile.mkdtemp(prefix="workbench-cluster-"))
         self._stopped = False
         _live_groups.add(self)
         # Stops the processes even if the owner is garbage collected without stop().
-        self._finalizer = weakref.finalize(self, _stop_children, self.children)
+        self._finalizer = weakref.finalize(self, _stop_group, self.children, self.network, self.log_dir)
         self._finalizer.atexit = stop_at_exit
 
+    @property
+    def network_isolated(self) -> bool:
+        """True when the children run in a private, loopback-only network."""
+        return self.network.isolated
+
     def start(self, role: str, index: int, module: str, env: dict[str, str], args=()) -> Child:
+        if self._stopped:
+            raise RuntimeError(
+                f"The {self.label} process group was stopped; {role} {index} cannot be started in it. "
+                "Fix: make a new ProcessGroup for a new cluster."
+            )
         log_path = self.log_dir / f"{role}-{index}.log"
-        child_env = {**os.environ, **env, TASK_ENV: f"{role}:{index}", "PYTHONUNBUFFERED": "1"}
+        child_env = {
+            **os.environ,
+            **env,
+            **self.network.env(),
+            TASK_ENV: f"{role}:{index}",
+            "PYTHONUNBUFFERED": "1",
+        }
+        if not self.network.isolated:
+            child_env.pop(netns.PRIVATE_NETWORK_ENV, None)
         child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        argv, pass_fds = self.network.wrap([sys.executable, "-m", module, *args])
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", module, *args],
+                argv,
                 env=child_env,
                 stdin=subprocess.PIPE,  # held open: EOF tells the child its parent is gone
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # interrupts aimed at the kernel do not reach it
                 close_fds=True,
+                pass_fds=pass_fds,  # the namespace descriptors, for the netns.py join wrapper
             )
         child = Child(role, index, popen, log_path)
         if not self.stop_at_exit:
             child.keepalive_fd = os.dup(popen.stdin.fileno())
         self.children.append(child)
         return child
+
+    def port_open(self, port: int) -> bool:
+        """Whether a child listens on `port` in the children's network (the launcher's own
+        connect cannot tell when they run in a private one; this reads /proc instead)."""
+        if not self.network.isolated or self.network.inherited:
+            return port_open(port)
+        for child in self.alive():
+            with contextlib.suppress(OSError):
+                return any(p == port for _, p in netns.listening_sockets(child.pid))
+        return False
 
     def unexpected_exits(self) -> list[Child]:
         return [c for c in self.children if c.popen.poll() is not None and not c.expected_exit]
@@ -144,9 +196,17 @@ class ProcessGroup:
         return [c.pid for c in self.children]
 
     def stop(self, grace: float = 2.0) -> None:
-        """SIGTERM, then SIGKILL whatever is still there after `grace` seconds; reaps them all."""
+        """SIGTERM, then SIGKILL whatever is still there after `grace` seconds; reaps them all,
+        then removes the log folder (unless WORKBENCH_KEEP_LOGS=1): read `log_tail()` before."""
         self._stopped = True
-        _stop_children(self.children, grace)
+        _stop_group(self.children, self.network, self.log_dir, grace)
+
+
+def _stop_group(children: list[Child], network, log_dir: Path, grace: float = 2.0) -> None:
+    _stop_children(children, grace)
+    network.close()
+    if os.environ.get(KEEP_LOGS_ENV) != "1":
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _stop_children(children: list[Child], grace: float = 2.0) -> None:
@@ -182,6 +242,10 @@ def _signal(child: Child, sig: int) -> None:
 @atexit.register
 def _stop_all_groups() -> None:
     for group in list(_live_groups):
-        if group.stop_at_exit:
-            with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):
+            if group.stop_at_exit:
                 group.stop(grace=1.0)
+            elif os.environ.get(KEEP_LOGS_ENV) != "1":
+                # Its children outlive us by design and write on into their open (now unlinked)
+                # log files; the folder itself must not outlive us.
+                shutil.rmtree(group.log_dir, ignore_errors=True)

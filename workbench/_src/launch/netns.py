@@ -1,0 +1,304 @@
+"""A private network for the processes of a local cluster: reachable from this machine only.
+
+TensorFlow binds its gRPC servers (workers, parameter servers, the coordinator) to every
+interface, without authentication, in C++. So instead of changing where they bind, the processes
+of a local cluster run in a network namespace of their own that holds nothing but a loopback
+device: 127.0.0.1 inside it is theirs alone, and no address of the machine leads in. The launcher
+stays in the host namespace and talks to them over a Unix socket (a path in the file system is
+reachable from every network namespace; see channel.py).
+
+How, without root: a tiny anchor process (`python -I netns.py anchor`) calls
+`unshare(CLONE_NEWUSER | CLONE_NEWNET)`, maps its own uid/gid (so files keep their owner), brings
+`lo` up and reports back; the launcher opens its /proc/<pid>/ns/{user,net} files and keeps the
+descriptors, which keep the namespace alive, and the anchor exits. Each child is then started
+through `python -I netns.py join USER_FD NET_FD -- python -m module`, which `setns()`s into both
+and `exec`s the real command (same pid, same session, same pipes). A wrapper rather than a
+`preexec_fn`: preexec_fn is unsafe in a threaded parent (a notebook kernel is), and a
+fresh interpreter is single-threaded, as `setns(CLONE_NEWUSER)` requires. When already root,
+`CLONE_NEWNET` alone is tried first: a user namespace would take away root's rights over files
+owned by other users.
+
+A process inside such a network carries PRIVATE_NETWORK_ENV (the namespace's id); a process group
+started there (the async-ps coordinator starting its servers) makes no namespace of its own: its
+children inherit the one they are in. Where the system refuses namespaces, `open_network()` warns
+once, says what stays exposed, and the group runs in the host network as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import subprocess
+import sys
+import time
+import warnings
+
+PRIVATE_NETWORK_ENV = "WORKBENCH_PRIVATE_NETWORK"  # "net:[<inode>]" of the private namespace
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_warned = False
+
+
+class PrivateNetwork:
+    """The network namespace one process group's children share (or the host's, on fallback).
+
+    Attributes:
+      isolated: True when the children run in a loopback-only namespace (made here or inherited).
+      inherited: True when this process already runs in one; children simply inherit it.
+      reason: why isolation did not hold ("" when it did).
+      setup_seconds: what making the namespace cost.
+    """
+
+    def __init__(self, isolated: bool, inherited: bool = False, reason: str = "", fds=None, ns_id=""):
+        self.isolated = isolated
+        self.inherited = inherited
+        self.reason = reason
+        self.ns_id = ns_id  # "net:[...]", the value children get in PRIVATE_NETWORK_ENV
+        self.setup_seconds = 0.0
+        self._fds: dict[str, int] = dict(fds or {})  # "user"/"net" -> descriptor keeping it alive
+
+    def wrap(self, argv: list[str]) -> tuple[list[str], tuple[int, ...]]:
+        """The command that runs `argv` inside this network, and the descriptors it must inherit."""
+        if not self._fds:
+            return list(argv), ()  # host network, or inherited: the child is where we are
+        user, net = self._fds.get("user", -1), self._fds["net"]
+        wrapper = [sys.executable, "-I", os.path.abspath(__file__), "join", str(user), str(net), "--"]
+        return wrapper + list(argv), tuple(fd for fd in (user, net) if fd >= 0)
+
+    def env(self) -> dict[str, str]:
+        return {PRIVATE_NETWORK_ENV: self.ns_id} if self.isolated else {}
+
+    def close(self) -> None:
+        """Drops the descriptors: the namespace ends when its last process does."""
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def current_network_id() -> str:
+    return os.readlink("/proc/self/ns/net")
+
+
+def inside_private_network() -> bool:
+    """True when this process runs in a private network a workbench launcher made."""
+    marker = os.environ.get(PRIVATE_NETWORK_ENV, "")
+    # Compared with the real namespace: a stale variable (copied into an unrelated process) is no
+    # reason to skip isolation.
+    with contextlib.suppress(OSError):
+        return bool(marker) and marker == current_network_id()
+    return False
+
+
+def open_network(label: str = "local cluster", timeout: float = 20.0) -> PrivateNetwork:
+    """A loopback-only network for a process group; on refusal warns once and returns the host's."""
+    if inside_private_network():
+        return PrivateNetwork(True, inherited=True, ns_id=os.environ[PRIVATE_NETWORK_ENV])
+    started = time.monotonic()
+    try:
+        network = _make_namespace(timeout)
+    except _Refused as refusal:
+        _warn_exposed(label, str(refusal))
+        return PrivateNetwork(False, reason=str(refusal))
+    network.setup_seconds = time.monotonic() - started
+    return network
+
+
+class _Refused(Exception):
+    pass
+
+
+def _make_namespace(timeout: float) -> PrivateNetwork:
+    anchor = subprocess.Popen(
+        [sys.executable, "-I", os.path.abspath(__file__), "anchor"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        close_fds=True,
+        start_new_session=True,
+    )
+    fds: dict[str, int] = {}
+    try:
+        ready, _, _ = select.select([anchor.stdout], [], [], timeout)
+        line = anchor.stdout.readline().decode(errors="replace").strip() if ready else ""
+        if not line.startswith("ok "):
+            raise _Refused(
+                line.removeprefix("error ") or f"no answer from the namespace helper in {timeout:.0f} s"
+            )
+        kinds = line.split()[1].split(",")  # "user,net" or "net"
+        for kind in kinds:
+            fds[kind] = os.open(f"/proc/{anchor.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+        ns_id = f"net:[{os.fstat(fds['net']).st_ino}]"
+        return PrivateNetwork(True, fds=fds, ns_id=ns_id)
+    except OSError as error:
+        for fd in fds.values():
+            os.close(fd)
+        raise _Refused(f"cannot open the namespace of the helper process: {error}") from None
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            anchor.stdin.close()  # EOF: the anchor exits; our descriptors keep the namespace
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            anchor.wait(timeout=5)
+        if anchor.poll() is None:
+            anchor.kill()
+            anchor.wait()
+        anchor.stdout.close()
+
+
+def _warn_exposed(label: str, reason: str) -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(
+        f"workbench: the {label} could not get a private network ({reason}). Its processes run in "
+        "this machine's network instead, and their TensorFlow gRPC servers (workers, parameter "
+        "servers, coordinator) listen on EVERY network interface without authentication while a "
+        "run lasts: anyone who can reach this machine can read and write files and run code in "
+        "them. Fix: allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+        "kernel.unprivileged_userns_clone=1, or the AppArmor userns restriction on Ubuntu), or "
+        "firewall incoming TCP on this machine. This warning is shown once per process.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+# ----- inspection: what a namespace listens on ------------------------------------------------------
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every listening TCP socket in the network namespace of process `pid`."""
+    found = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{name}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, state = fields[1], fields[3]
+            if state != "0A":  # TCP_LISTEN
+                continue
+            address, port = local.split(":")
+            found.append((_address(address), int(port, 16)))
+    return found
+
+
+def interfaces(pid: int) -> list[str]:
+    """Names of the network interfaces in the namespace of process `pid` ("lo" only when private)."""
+    with open(f"/proc/{pid}/net/dev") as f:
+        return [line.split(":")[0].strip() for line in f.read().splitlines()[2:]]
+
+
+def _address(hex_address: str) -> str:
+    import ipaddress
+
+    raw = bytes.fromhex(hex_address)
+    # /proc prints each 32-bit word in host byte order (little-endian here).
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(raw))
+
+
+# ----- the helper processes (run as `python -I netns.py anchor|join ...`) ---------------------------
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _call(libc, name: str, *args) -> None:
+    import ctypes
+
+    if getattr(libc, name)(*args) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def _anchor() -> None:
+    libc = _libc()
+    uid, gid = os.geteuid(), os.getegid()
+    attempts = [_CLONE_NEWNET, _CLONE_NEWUSER | _CLONE_NEWNET]
+    if uid != 0:
+        attempts = attempts[1:]  # without root only a user namespace grants the right to make one
+    errors = []
+    for flags in attempts:
+        try:
+            _call(libc, "unshare", flags)
+            break
+        except OSError as error:
+            errors.append(f"unshare({_flag_names(flags)}) failed: {error.strerror}")
+    else:
+        print("error " + "; ".join(errors), flush=True)
+        return
+    try:
+        if flags & _CLONE_NEWUSER:
+            # Map our own ids to themselves: files keep their owner inside. setgroups must be
+            # denied before an unprivileged process may write gid_map.
+            _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
+            _write("/proc/self/setgroups", "deny\n")
+            _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+        _loopback_up()
+    except OSError as error:
+        print(f"error {_flag_names(flags)} made, but setting it up failed: {error}", flush=True)
+        return
+    print("ok " + ("user,net" if flags & _CLONE_NEWUSER else "net"), flush=True)
+    with contextlib.suppress(Exception):
+        sys.stdin.buffer.read()  # until the launcher has opened our namespace files
+
+
+def _flag_names(flags: int) -> str:
+    return " | ".join(
+        n for f, n in ((_CLONE_NEWUSER, "CLONE_NEWUSER"), (_CLONE_NEWNET, "CLONE_NEWNET")) if flags & f
+    )
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _loopback_up() -> None:
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s.fileno(), siocgifflags, request))[1]
+        fcntl.ioctl(s.fileno(), siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
+def _join(user_fd: int, net_fd: int, argv: list[str]) -> None:
+    libc = _libc()
+    if user_fd >= 0:
+        # Joining the user namespace first gives the rights (in it) to join its network.
+        if os.fstat(user_fd).st_ino != os.stat("/proc/self/ns/user").st_ino:
+            _call(libc, "setns", user_fd, _CLONE_NEWUSER)
+        os.close(user_fd)
+    _call(libc, "setns", net_fd, _CLONE_NEWNET)
+    os.close(net_fd)
+    os.execv(argv[0], argv)
+
+
+def _main(args: list[str]) -> None:
+    if args[:1] == ["anchor"]:
+        _anchor()
+    elif args[:1] == ["join"] and len(args) > 4 and args[3] == "--":
+        try:
+            _join(int(args[1]), int(args[2]), args[4:])
+        except OSError as error:
+            sys.stderr.write(f"workbench: cannot enter the cluster's private network: {error}\n")
+            sys.exit(71)
+    else:
+        sys.exit("usage: netns.py anchor | join USER_FD NET_FD -- COMMAND...")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
