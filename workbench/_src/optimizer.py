@@ -145,5 +145,14 @@ def _quiet_expected_coordinator_log() -> None:
         return
     import logging
 
-    logging.getLogger("tensorflow").addFilter(lambda record: not _is_expected_build_request(record))
+    # A module-level function, not a lambda: this function runs while step_fn is traced, so
+    # AutoGraph converts it, and a lambda made here would be a converted one; logging then
+    # called it through AutoGraph, which logs, which called the filter again (RecursionError
+    # at the first TensorFlow warning after the filter was installed).
+    logging.getLogger("tensorflow").addFilter(_keep_record)
     _coordinator_filter_installed = True
+
+
+def _keep_record(record) -> bool:
+    """The tensorflow logger's filter: drop only our expected optimizer-build request."""
+    return not _is_expected_build_request(record)

@@ -1,0 +1,173 @@
+"""Checkpoints plain TensorFlow reads: the saved objects sit at the top level under their names."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from toy_models import make_mlp, toy_data
+
+import workbench as wb
+from workbench._src.checkpoints import Saver, check_writable_directory, saved_names
+
+
+def _setup(repl, seed=0):
+    """A model and an Adam optimizer built in repl.context(), a step and an input_fn."""
+    x, y = toy_data()
+    with repl.context():
+        model = make_mlp(seed)
+        adam = keras.optimizers.Adam(1e-2)
+        opt = repl.wrap_optimizer(adam)
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(64, drop_remainder=True)
+
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return {"loss": loss}
+
+    return model, adam, step_fn, input_fn
+
+
+def _accuracy(model) -> float:
+    x, y = toy_data(seed=1)  # held-out rows
+    return float(np.mean(np.argmax(model.predict(x, verbose=0), -1) == y))
+
+
+def test_plain_tensorflow_restores_the_named_objects(tmp_path):
+    repl = wb.replicator("mirrored", num_replicas=2)
+    model, adam, step_fn, input_fn = _setup(repl)
+    repl.train(
+        step_fn, input_fn, steps=80, checkpoint_dir=tmp_path, checkpoint={"model": model, "optimizer": adam}
+    )
+    trained_accuracy = _accuracy(model)
+    assert trained_accuracy > 0.7  # it learned: a fresh model is near 0.25
+
+    # TensorFlow's own tutorial code, no workbench: a fresh model and optimizer on one device.
+    new_model = make_mlp(seed=5)
+    new_opt = keras.optimizers.Adam(1e-2)
+    assert _accuracy(new_model) < 0.5
+    step = tf.Variable(0, dtype=tf.int64)
+    status = tf.train.Checkpoint(model=new_model, optimizer=new_opt, step=step).restore(
+        tf.train.latest_checkpoint(str(tmp_path))
+    )
+    status.assert_existing_objects_matched()
+    assert int(step) == 80
+    assert _accuracy(new_model) == trained_accuracy
+    for a, b in zip(new_model.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert set(saved_names(tf.train.latest_checkpoint(str(tmp_path)))) == {
+        "model",
+        "optimizer",
+        "step",
+        "save_counter",
+    }
+
+    # The workbench's own restore reads the same files on another backend.
+    single = wb.NonReplicator()
+    evaluation_model, *_ = _setup(single, seed=7)
+    assert single.restore(tmp_path, checkpoint={"model": evaluation_model}) == 80
+    assert _accuracy(evaluation_model) == trained_accuracy
+
+
+def test_default_layout_is_the_list_of_variables_created_in_context(tmp_path):
+    repl = wb.replicator("mirrored", num_replicas=2)
+    model, _, step_fn, input_fn = _setup(repl)
+    repl.train(step_fn, input_fn, steps=20, checkpoint_dir=tmp_path)
+    # The model's variables were created first in repl.context(), so they lead the list.
+    new_model = make_mlp(seed=5)
+    status = tf.train.Checkpoint(variables=list(new_model.variables)).restore(
+        tf.train.latest_checkpoint(str(tmp_path))
+    )
+    status.expect_partial()  # the optimizer's variables follow in the list
+    for a, b in zip(new_model.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def _legacy_checkpoint(directory, model, step: int) -> None:
+    """What the run loop wrote before issue 17: everything nested under `run`, beside `step`."""
+    old = tf.train.Checkpoint(run=tf.train.Checkpoint(model=model), step=tf.Variable(step, dtype=tf.int64))
+    tf.train.CheckpointManager(old, str(directory), max_to_keep=3).save(checkpoint_number=step)
+
+
+def test_checkpoints_in_the_old_nested_layout_still_load(tmp_path):
+    old_model = make_mlp(seed=3)
+    _legacy_checkpoint(tmp_path, old_model, step=7)
+
+    single = wb.NonReplicator()
+    with single.context():
+        restored = make_mlp(seed=4)
+    assert single.restore(tmp_path, checkpoint={"model": restored}) == 7
+    for a, b in zip(restored.get_weights(), old_model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    # A run resumes from it: weights and step count come back, and the next save is new-layout.
+    repl = wb.replicator("mirrored", num_replicas=2)
+    model, adam, step_fn, input_fn = _setup(repl, seed=4)
+    run = repl.train(step_fn, input_fn, steps=0, checkpoint_dir=tmp_path, checkpoint={"model": model})
+    assert "resumed from checkpoint at step 7" in run.events[0].data["text"]
+    for a, b in zip(model.get_weights(), old_model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    repl.train(step_fn, input_fn, steps=3, checkpoint_dir=tmp_path, checkpoint={"model": model})
+    latest = tf.train.latest_checkpoint(str(tmp_path))
+    assert latest.endswith("ckpt-10")
+    assert set(saved_names(latest)) == {"model", "step", "save_counter"}
+
+
+def test_saver_resumes_only_when_asked(tmp_path):
+    repl = wb.replicator("single")
+    model, adam, step_fn, input_fn = _setup(repl)
+    repl.train(step_fn, input_fn, steps=5, checkpoint_dir=tmp_path, checkpoint={"model": model})
+    saved = model.get_weights()
+
+    fresh = wb.replicator("single")
+    model2, _, step_fn2, input_fn2 = _setup(fresh, seed=9)
+    program = fresh._program(step_fn2, input_fn2)
+    items = {"model": model2}
+    assert Saver(fresh, program, tmp_path, items, resume=False).restore_if_any() is None
+    assert program.steps_done == 0
+    assert not np.array_equal(model2.get_weights()[0], saved[0])
+    assert Saver(fresh, program, tmp_path, items, resume=True).restore_if_any() == 5
+    assert program.steps_done == 5
+    np.testing.assert_array_equal(model2.get_weights()[0], saved[0])
+
+
+def test_check_writable_directory(tmp_path):
+    made = check_writable_directory(os.path.relpath(tmp_path / "a" / "b"))
+    assert made == str(tmp_path / "a" / "b") and os.path.isdir(made)
+    assert check_writable_directory(tmp_path) == str(tmp_path)
+    assert check_writable_directory("gs://bucket/ckpt") == "gs://bucket/ckpt"
+
+
+def test_refuses_a_directory_that_is_a_file(tmp_path):
+    a_file = tmp_path / "ckpt"
+    a_file.write_text("not a folder")
+    with pytest.raises(
+        wb.ConfigurationError, match=r"must be a folder, but '.*ckpt' is a file \(received .*Fix"
+    ):
+        check_writable_directory(a_file)
+    with pytest.raises(wb.ConfigurationError, match=r"'.*ckpt/sub' cannot be created: .*\(received .*Fix"):
+        check_writable_directory(a_file / "sub")
+
+
+def test_names_that_clash_with_the_workbench_entries(tmp_path):
+    repl = wb.replicator("single")
+    model, _, step_fn, input_fn = _setup(repl)
+    with pytest.raises(
+        wb.ConfigurationError,
+        match=r"(?s)checkpoint names \['step'\] clash .*'step' is the workbench's exact step count.*"
+        r"Received checkpoint keys \['model', 'step'\]\. Fix: rename them",
+    ):
+        repl.train(
+            step_fn,
+            input_fn,
+            steps=1,
+            checkpoint_dir=tmp_path,
+            checkpoint={"model": model, "step": tf.Variable(0)},
+        )
+    with pytest.raises(wb.ConfigurationError, match=r"\['run'\] clash .*old"):
+        repl.restore(tmp_path, checkpoint={"run": model})
