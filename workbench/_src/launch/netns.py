@@ -26,13 +26,10 @@ once, says what stays exposed, and the group runs in the host network as before.
 
 from __future__ import annotations
 
-import contextlib
+# Only os and sys at the top: this file is also the `join` wrapper every child starts through,
+# so its start-up time is paid per child (subprocess alone costs more than the rest).
 import os
-import select
-import subprocess
 import sys
-import time
-import warnings
 
 PRIVATE_NETWORK_ENV = "WORKBENCH_PRIVATE_NETWORK"  # "net:[<inode>]" of the private namespace
 
@@ -64,7 +61,7 @@ class PrivateNetwork:
         if not self._fds:
             return list(argv), ()  # host network, or inherited: the child is where we are
         user, net = self._fds.get("user", -1), self._fds["net"]
-        wrapper = [sys.executable, "-I", os.path.abspath(__file__), "join", str(user), str(net), "--"]
+        wrapper = [sys.executable, "-I", "-S", os.path.abspath(__file__), "join", str(user), str(net), "--"]
         return wrapper + list(argv), tuple(fd for fd in (user, net) if fd >= 0)
 
     def env(self) -> dict[str, str]:
@@ -74,8 +71,10 @@ class PrivateNetwork:
         """Drops the descriptors: the namespace ends when its last process does."""
         fds, self._fds = self._fds, {}
         for fd in fds.values():
-            with contextlib.suppress(OSError):
+            try:
                 os.close(fd)
+            except OSError:
+                pass
 
 
 def current_network_id() -> str:
@@ -87,15 +86,18 @@ def inside_private_network() -> bool:
     marker = os.environ.get(PRIVATE_NETWORK_ENV, "")
     # Compared with the real namespace: a stale variable (copied into an unrelated process) is no
     # reason to skip isolation.
-    with contextlib.suppress(OSError):
+    try:
         return bool(marker) and marker == current_network_id()
-    return False
+    except OSError:
+        return False
 
 
 def open_network(label: str = "local cluster", timeout: float = 20.0) -> PrivateNetwork:
     """A loopback-only network for a process group; on refusal warns once and returns the host's."""
     if inside_private_network():
         return PrivateNetwork(True, inherited=True, ns_id=os.environ[PRIVATE_NETWORK_ENV])
+    import time
+
     started = time.monotonic()
     try:
         network = _make_namespace(timeout)
@@ -111,8 +113,12 @@ class _Refused(Exception):
 
 
 def _make_namespace(timeout: float) -> PrivateNetwork:
+    import contextlib
+    import select
+    import subprocess
+
     anchor = subprocess.Popen(
-        [sys.executable, "-I", os.path.abspath(__file__), "anchor"],
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), "anchor"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -152,6 +158,8 @@ def _make_namespace(timeout: float) -> PrivateNetwork:
 
 
 def _warn_exposed(label: str, reason: str) -> None:
+    import warnings
+
     global _warned
     if _warned:
         return
@@ -248,8 +256,7 @@ def _anchor() -> None:
         print(f"error {_flag_names(flags)} made, but setting it up failed: {error}", flush=True)
         return
     print("ok " + ("user,net" if flags & _CLONE_NEWUSER else "net"), flush=True)
-    with contextlib.suppress(Exception):
-        sys.stdin.buffer.read()  # until the launcher has opened our namespace files
+    sys.stdin.buffer.read()  # until the launcher has opened our namespace files
 
 
 def _flag_names(flags: int) -> str:
