@@ -1,4 +1,9 @@
-"""What a `%%replicate` cell owns on its replicator, released when the same cell runs again.
+"""Cells: running a cell's source (the one place that does), and what a `%%replicate` cell owns
+on its replicator, released when the same cell runs again.
+
+`execute_source` runs a cell's (or a `workbench run` file's) source in a namespace; everything
+that runs a cell (the magic, the study and compare forms, worker processes, the CLI) goes
+through it, so a cell's mistakes read the same everywhere.
 
 A replicator remembers every variable created in `repl.context()` (the default checkpoint saves
 them) and every compiled (step_fn, input_fn) program (so `repl.train` continues a data stream).
@@ -27,6 +32,32 @@ import weakref
 from workbench._src import reaper
 
 # replicator -> {cell key: _Owned}; weak, so a replicator nobody uses is not kept alive here
+CELL_FILENAME = "<%%replicate cell>"
+
+
+def execute_source(source, namespace: dict, filename: str = CELL_FILENAME) -> dict:
+    """Runs `source` (a string, or a code object already compiled) in `namespace`; returns it."""
+    code = compile(source, filename, "exec") if isinstance(source, str) else source
+    namespace.setdefault("__name__", "__main__")
+    exec(code, namespace)
+    return namespace
+
+
+def functions_defined(namespace: dict, where: str = "The %%replicate cell"):
+    """(step_fn, input_fn) a cell defined; a ConfigurationError naming what is missing."""
+    from workbench._src.errors import ConfigurationError
+
+    missing = [n for n in ("step_fn", "input_fn") if not callable(namespace.get(n))]
+    if missing:
+        raise ConfigurationError(
+            f"{where} must define step_fn(batch) and input_fn(ctx); {' and '.join(missing)} is not "
+            "defined (or not a function). Fix: define both, e.g.\n"
+            "  def input_fn(ctx): return dataset.repeat().batch(64)\n"
+            "  def step_fn(x, y): ...; return {'loss': loss}"
+        )
+    return namespace["step_fn"], namespace["input_fn"]
+
+
 _ledgers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 STOP_TIMEOUT_S = 60.0

@@ -47,3 +47,16 @@ class WorkerError(WorkbenchError, RuntimeError):
         super().__init__(message)
         self.task = task
         self.run = run
+
+
+def check_positive_int(name: str, value, fix: str | None = None) -> int:
+    """`value` if it is an int >= 1 (not a bool), else a ConfigurationError naming `name`.
+
+    The one positive-integer check of the workbench (replica, worker, step counts...).
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    hint = f" Fix: {fix}." if fix else f" Fix: {name}=2, say."
+    raise ConfigurationError(
+        f"{name} must be a positive integer; received {name}={value!r} ({type(value).__name__}).{hint}"
+    )

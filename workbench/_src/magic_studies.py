@@ -62,7 +62,7 @@ def scaling_form(magics, args, cell: str | None):
 
             def setup(repl):  # called by the study inside each configuration's repl.context()
                 ns["repl"] = repl  # the cell's functions use this configuration's replicator
-                exec(code, ns)
+                cells.execute_source(code, ns)
                 return magics.defined_functions()
 
             call = lambda: scaling_study(setup=setup, **options)  # noqa: E731
@@ -105,7 +105,7 @@ def _cell_for_workers(magics, cell: str, replicas: int):
 
     ns = magics.shell.user_ns
     ns["repl"] = launcher = MultiWorkerReplicator.from_replicas(replicas)
-    setup, _variables_here = launcher.setup_from_cell(magics.shell.transform_cell(cell), ns)
+    setup, _variables_here = launcher._launcher.setup_from_cell(magics.shell.transform_cell(cell), ns)
     magics.defined_functions()  # the cell must define step_fn and input_fn
     return setup
 
@@ -147,7 +147,7 @@ def compare_form(magics, args, cell: str | None):
                 # step_fns are traced after both builds, and must each find their own model and
                 # optimizer behind the global names the cell uses.
                 side_ns = {**ns, "repl": side_repl}
-                exec(code, side_ns)
+                cells.execute_source(code, side_ns)
                 sides.append(side_ns)
                 return magics.defined_functions(side_ns)[0]
 

@@ -162,6 +162,13 @@ class ReplicateMagics(Magics):
     @magic_arguments.argument(
         "--logdir", metavar="DIR", help="record this run under DIR/<run id> instead of the runs directory"
     )
+    @magic_arguments.argument(
+        "--tensorboard",
+        nargs="?",
+        const="latest",
+        metavar="RUN",
+        help="open TensorBoard on a recorded run's event files (RUN: an id, latest (default), or all)",
+    )
     @line_cell_magic
     def replicate(self, line: str = "", cell: str | None = None):
         """Sets the session's replicator, or trains step_fn/input_fn on it; training returns the wb.Run.
@@ -182,6 +189,10 @@ class ReplicateMagics(Magics):
             args = magic_arguments.parse_argstring(self.replicate, line)
         except UsageError as e:
             raise UsageError(f"%replicate {line.strip()!s}: {e}.\n{USAGE}") from None
+        if args.tensorboard is not None:
+            from workbench._src.tensorboard_view import open_tensorboard
+
+            return open_tensorboard(self.shell, args.tensorboard)
         if args.scaling is not None and args.compare:
             raise UsageError(
                 "--scaling and --compare are two different studies; received both. Fix: run "
@@ -277,7 +288,7 @@ class ReplicateMagics(Magics):
         # (variables, compiled programs; see cells.py), so re-runs start clean.
         with cells.owned_by_cell(repl, cells.cell_key(self.shell)) as owned:
             with repl.context():  # the model and optimizer built here are replicated
-                exec(code, self.shell.user_ns)  # errors show as in any cell
+                cells.execute_source(code, self.shell.user_ns)  # errors show as in any cell
             step_fn, input_fn = self.defined_functions()
             run = self._train(repl, step_fn, input_fn, args)
             owned.track(run)

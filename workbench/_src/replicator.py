@@ -3,6 +3,12 @@
 A backend only says which strategy to build and which devices each replica owns; everything a
 user touches (context, wrap_optimizer, primitives, run, train) is here, so every backend behaves
 the same and one conformance suite tests them all.
+
+A replicator is one of two kinds. In-process, it has a strategy and its steps run here. Remote
+(a local multi-worker or async-ps cluster seen from the notebook), it has a `_launcher` instead
+(launch/launcher.py): its steps run in processes the launcher starts, where the same backend
+class is in-process; here, context() only records what the cell builds and train/run go to the
+launcher. This file is the one place that tells the two apart.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Replicator:
         self._programs: dict = {}
         self._created_variables: list = []
         self._in_context = False  # context() is re-entrant: variables are recorded once
+        self._launcher = None  # set by process backends seen from outside their cluster
 
     # ----- what a backend provides -------------------------------------------------------
     def _make_strategy(self):
@@ -79,8 +86,15 @@ class Replicator:
 
     # ----- the public face ---------------------------------------------------------------
     @property
+    def runs_in_processes(self) -> bool:
+        """True when steps run in worker processes this replicator starts, not in this process."""
+        return self._launcher is not None
+
+    @property
     def strategy(self):
         """The underlying tf.distribute.Strategy (for code that wants TensorFlow's own API)."""
+        if self._launcher is not None:
+            raise self._launcher.no_strategy_error()
         if self._strategy is None:
             self._strategy = self._make_strategy()
         return self._strategy
@@ -100,7 +114,14 @@ class Replicator:
 
         Build the model and the optimizer here. The replicator also remembers the variables, so
         `train(checkpoint_dir=...)` can save them without being told what the model is.
+        For a replicator whose steps run in other processes, the variables are built here as
+        plain local ones (the notebook can inspect the model; each process builds its own, and
+        the trained weights come back into these when training ends).
         """
+        if self._launcher is not None:
+            with self._recording_variables():
+                yield self
+            return
         with self.strategy.scope(), self._recording_variables():
             yield self
 
@@ -181,17 +202,99 @@ class Replicator:
         Compiled once per (step_fn, input_fn) pair and cached: calling it in a loop neither
         retraces nor restarts the input pipeline.
         """
+        if self._launcher is not None:
+            return self._launcher.run(step_fn, input_fn)
         return self._program(step_fn, input_fn).run_one()
 
-    def train(self, step_fn: Callable, input_fn: Callable, steps: int, **options):
+    def train(
+        self,
+        step_fn: Callable | None = None,
+        input_fn: Callable | None = None,
+        steps: int | None = None,
+        *,
+        setup: Callable | None = None,
+        warmup: int = 0,
+        **options,
+    ):
         """Trains for `steps` steps in the owned run loop; returns a `wb.Run`.
 
-        See `workbench._src.train_loop.train` for the options (steps_per_execution, reduce,
-        checkpoint_dir, background, ...).
+        Args:
+          step_fn, input_fn: one replica's step and its input (see the class docstring).
+          steps: steps to run.
+          setup: instead of step_fn/input_fn: setup(repl) builds the model and optimizer (it
+            runs inside repl.context()) and returns (step_fn, input_fn). For backends whose
+            steps run in other processes it travels there (pickled by value) and runs in each.
+          warmup: steps run first, untimed and unrecorded (they absorb tracing).
+          **options: see `workbench._src.run_loop.RunOptions` (steps_per_execution, reduce,
+            checkpoint_dir, checkpoint, checkpoint_every, resume, on_nonfinite, background,
+            sinks, name).
         """
-        from workbench._src.train_loop import train
+        from workbench._src import run_loop
 
-        return train(self, step_fn, input_fn, steps, **options)
+        check_nonnegative_warmup(warmup)
+        if setup is None and (step_fn is None or input_fn is None):
+            raise ConfigurationError(
+                "train needs step_fn and input_fn, or setup=build where build(repl) returns them; "
+                f"received step_fn={step_fn!r}, input_fn={input_fn!r}, setup=None."
+            )
+        if self._launcher is not None:
+            return self._launcher.train(step_fn, input_fn, steps, setup=setup, warmup=warmup, **options)
+        if setup is not None:
+            from workbench._src.launch.shipping import unpack_setup
+
+            with self.context():
+                step_fn, input_fn = unpack_setup(setup(self))
+        if warmup:
+            same = {k: options[k] for k in ("steps_per_execution", "reduce") if k in options}
+            warm = run_loop.train(self, step_fn, input_fn, warmup, name="warm-up", **same)
+            run = run_loop.train(self, step_fn, input_fn, steps, **options)
+            run.compile_seconds = warm.compile_seconds  # the warm-up traced; the run was timed whole
+            return run
+        return run_loop.train(self, step_fn, input_fn, steps, **options)
+
+    def train_cell(self, source: str, namespace: dict, steps: int, *, filename: str | None = None, **options):
+        """Runs a `%%replicate` cell's source (or a `workbench run` file) inside repl.context()
+        with `repl` bound to this replicator, then trains the step_fn and input_fn it defines.
+
+        For a replicator whose steps run in other processes, the cell runs here first (its
+        mistakes show at once and the notebook gets `model`), then in every process; the
+        trained weights come back into the variables the cell made here.
+        """
+        from workbench._src.cells import CELL_FILENAME, execute_source, functions_defined
+
+        filename = filename or CELL_FILENAME
+        if self._launcher is not None:
+            return self._launcher.train_cell(source, namespace, steps, filename=filename, **options)
+        namespace.setdefault("repl", self)
+        with self.context():
+            execute_source(source, namespace, filename)
+        step_fn, input_fn = functions_defined(namespace, where=filename)
+        return self.train(step_fn, input_fn, steps, **options)
+
+    def run_on_workers(self, fn: Callable, *, timeout: float | None = None) -> list:
+        """Runs fn(repl) in every worker process (here: once, in this process); returns the
+        results in worker order. For process backends fn is pickled by value (cloudpickle)."""
+        if self._launcher is not None:
+            return self._launcher.run_on_workers(fn, timeout=timeout)
+        return [fn(self)]
+
+    def _executor(self, program):
+        """What runs the chunks of `program` in this process (the run loop's executor)."""
+        from workbench._src.run_loop import InProcessExecutor
+
+        return InProcessExecutor(program)
+
+    def __reduce__(self):
+        # A replicator inside a function that travels to worker processes becomes, there, the
+        # process's own replicator (the in-cluster face of the same backend).
+        if self._launcher is None:
+            raise TypeError(
+                f"A {type(self).__name__} cannot be sent to another process; only replicators whose "
+                "steps run in worker processes (multi-worker, async-ps) travel with functions."
+            )
+        from workbench._src.launch.runtime import process_replicator
+
+        return (process_replicator, ())
 
     def restore(self, checkpoint_dir, checkpoint=None) -> int:
         """Loads the latest checkpoint that `train(checkpoint_dir=...)` wrote; returns its step.
@@ -218,6 +321,11 @@ class Replicator:
     def __repr__(self):
         details = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "backend")
         return f"{type(self).__name__}({details})"
+
+
+def check_nonnegative_warmup(warmup) -> None:
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ConfigurationError(f"warmup must be an integer >= 0 (steps); received warmup={warmup!r}.")
 
 
 def _replica_primary_device(ctx) -> str:

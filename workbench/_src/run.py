@@ -1,4 +1,10 @@
-"""wb.Run: one training run's record (history, events, status) and its control (stop, wait).
+"""wb.Run: one training run's record (history, events, status), its control (stop, wait) and
+its lifecycle.
+
+The run owns its lifecycle: `_start()`, then exactly one of `_end(status, reason)` or
+`_fail(error)`; nothing else writes `status`. Whoever executes the run (the in-process loop, the
+async coordinator, the launcher of worker processes) calls these, so every backend ends a run
+the same way: the error carries `.run` with the history up to the failure, and `wait()` returns.
 
 The run loop publishes events; sinks subscribe (`run.subscribe(sink)`) and never reach into the
 loop. A sink is a callable taking an Event, or an object with `send(event)`.
@@ -34,7 +40,8 @@ if hasattr(os, "register_at_fork"):  # a forked worker must not share its parent
 
     os.register_at_fork(after_in_child=_retag_after_fork)
 
-Status = str  # "created" | "running" | "finished" | "stopped" | "interrupted" | "non-finite" | "failed"
+Status = str  # "created" | "running" | "finished" | "stopped" | "non-finite" | "failed"
+ENDED_STATUSES = ("finished", "stopped", "non-finite", "failed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +81,7 @@ class Run:
         self._rows = 0
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
+        self._interrupted = False  # the stop came from Ctrl-C / a kernel interrupt
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -102,19 +110,23 @@ class Run:
         return self._done.is_set()
 
     def summary(self) -> dict:
-        """Steps, time, steady throughput and the last value of each metric."""
+        """Steps (from the run's start), time, throughput and the last value of each metric.
+
+        steps_per_sec / examples_per_sec: over the last 10 s while the run goes, over the whole
+        run once it ended; median_examples_per_sec: the median step's. One definition for every
+        view (workbench/_src/figures.py).
+        """
+        from workbench._src.figures import figures, last_metrics
+
         h = self.history
         out = {"run": self.id, "status": self.status, "steps": self.steps}
         if self.stop_reason:
             out["stop_reason"] = self.stop_reason
-        if len(h):
-            out["wall_time_s"] = round(float(h["wall_time"].iloc[-1]), 3)
-            steady = h["examples_per_sec"].dropna()
-            if len(steady):
-                out["examples_per_sec"] = round(float(steady.median()), 1)
-            for col in h.columns:
-                if col not in ("step", "wall_time", "examples_per_sec"):
-                    out[col] = float(h[col].iloc[-1])
+        fig = figures(h, running=not self.ended, target_steps=self.config.get("steps"))
+        for key in ("wall_time_s", "steps_per_sec", "examples_per_sec", "median_examples_per_sec"):
+            if fig[key] is not None:
+                out[key] = fig[key]
+        out.update(last_metrics(h))
         return out
 
     # ----- control ------------------------------------------------------------------------
@@ -122,6 +134,16 @@ class Run:
         """Asks the run to stop at the next step boundary (returns at once; see wait())."""
         self._stop.set()
         return self
+
+    def interrupt(self) -> Run:
+        """A stop asked for by Ctrl-C or a kernel interrupt: the run ends "stopped", and its
+        stop_reason says it was interrupted."""
+        self._interrupted = True
+        return self.stop()
+
+    def stopped_reason(self, step: int) -> str:
+        """The stop_reason of a run stopped at `step`: 'interrupted at step N' or 'stopped at step N'."""
+        return f"{'interrupted' if self._interrupted else 'stopped'} at step {step}"
 
     def wait(self, timeout: float | None = None) -> Run:
         """Blocks until the run has ended (background runs); re-raises the run's error."""
@@ -179,17 +201,62 @@ class Run:
                 self._rows += 1
         self.publish("metrics", rows=rows)
 
-    def _finish(self, status: Status, reason: str | None = None) -> None:
-        self.status = status
+    # ----- lifecycle (called by whatever executes the run) ----------------------------------
+    def _start(self) -> None:
+        if self.status != "created":
+            raise RuntimeError(f"{self.name} was already started (status {self.status!r}).")
+        self.status = "running"
+        self.started_at = time.time()
+
+    def _end(self, status: Status, reason: str | None = None) -> None:
+        """Ends the run once; later calls are ignored (the first ending is the true one)."""
+        if status not in ENDED_STATUSES:
+            raise ValueError(f"a run ends as one of {ENDED_STATUSES}; received status={status!r}.")
+        with self._lock:
+            if self._done.is_set() or self.status == "ending":
+                return
+            self.status = "ending"  # claimed: a second caller returns above
         self.stop_reason = reason
         self.ended_at = time.time()
-        self.publish("ended", status=status, reason=reason)
-        self._done.set()
+        self.status = status
+        try:
+            self.publish("ended", status=status, reason=reason)
+        finally:
+            self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """Ends the run as failed with `error`, which then carries this run (`error.run`)."""
+        self.error = error
+        if getattr(error, "run", None) is None:
+            try:
+                error.run = self  # the history up to the failure travels with the error
+            except AttributeError:  # a built-in exception that takes no attributes
+                pass
+        self._end("failed", f"{type(error).__name__}: {error}")
 
     def _repr_html_(self):
+        import html
+
+        from workbench._src.figures import fmt, shown_reason
+
+        if not self.ended and self._thread is not None:
+            # Shown once when the cell ends and never refreshed: no frozen "running, steps 0".
+            return (
+                f"<b>wb.Run</b> {html.escape(self.name)}: training in the background "
+                f"({self.config.get('steps') or 'open-ended'} steps). Live figures: the dashboard above "
+                "and the Replicator sidebar; <code>run.summary()</code> now, <code>run.wait()</code>, "
+                "<code>run.stop()</code>."
+            )
         s = self.summary()
-        cells = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in s.items())
-        return f"<b>wb.Run</b> {self.name}<table>{cells}</table>"
+        reason = shown_reason(s["status"], s.pop("stop_reason", None))  # no "stopped (stopped at ...)"
+        if reason:
+            s["stop_reason"] = reason
+        cells = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td data-key='{html.escape(k)}'>"
+            f"{fmt(v) if isinstance(v, float) else html.escape(str(v))}</td></tr>"
+            for k, v in s.items()
+        )
+        return f"<b>wb.Run</b> {html.escape(self.name)}<table class='wb-run-summary'>{cells}</table>"
 
     def __repr__(self):
         return f"<wb.Run {self.name!r} {self.status} steps={self.steps}>"

@@ -44,17 +44,7 @@ def run_file(args) -> int:
         from workbench._src import session
 
         session._set(repl, None)
-        if hasattr(repl, "train_cell"):
-            run = repl.train_cell(source, namespace, args.steps, **options)
-        else:
-            namespace["repl"] = repl
-            with repl.context():
-                exec(compile(source, str(path), "exec"), namespace)
-            missing = [n for n in ("step_fn", "input_fn") if not callable(namespace.get(n))]
-            if missing:
-                print(f"workbench run: {path} must define {' and '.join(missing)}.", file=sys.stderr)
-                return 2
-            run = repl.train(namespace["step_fn"], namespace["input_fn"], args.steps, **options)
+        run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
     except WorkbenchError as e:
         print(f"workbench run: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -63,7 +53,7 @@ def run_file(args) -> int:
         run.history.to_csv(args.history, index=False)
         summary["history_csv"] = args.history
     print(json.dumps(summary, default=str))
-    return 0 if run.status in ("finished", "stopped", "interrupted") else 1
+    return 0 if run.status in ("finished", "stopped") else 1
 
 
 def scale_file(args) -> int:
@@ -86,7 +76,7 @@ def scale_file(args) -> int:
         )
         return 2
     from workbench._src import tf_setup
-    from workbench._src.backends.multi_worker import CellSetup
+    from workbench._src.launch.shipping import CellSetup
     from workbench._src.scaling import SUMMARY_COLUMNS, scaling_study
 
     if args.backend == "mirrored":  # a machine with GPUs keeps its GPUs

@@ -268,8 +268,8 @@ def train(
                 background=background,
                 sinks=sinks,
             )
-            if cell is not None and getattr(repl, "runs_in_processes", False):
-                # multi-worker from a notebook: the cell's source runs in every worker process
+            if cell is not None and repl.runs_in_processes:
+                # process backends from a notebook: the cell's source runs in every process
                 run = repl.train_cell(cell, namespace, steps, **options)
             else:
                 run = repl.train(step_fn, input_fn, steps, **options)

@@ -1,14 +1,17 @@
 """MultiWorkerAsyncReplicator: asynchronous workers with parameter servers.
 
-TensorFlow's ParameterServerStrategy + ClusterCoordinator, single-client: this process (the
-notebook kernel or the script) is the coordinator. It traces step_fn, schedules chunks of steps
-on whichever worker is free, and the workers read and update variables that live on the
-parameter servers, each at its own pace. With cluster=None the workbench starts the workers and
-parameter servers as local TensorFlow servers on 127.0.0.1; with a cluster it uses those.
+TensorFlow's ParameterServerStrategy + ClusterCoordinator, single-client: one process is the
+coordinator. It traces step_fn, schedules chunks of steps on whichever worker is free, and the
+workers read and update variables that live on the parameter servers, each at its own pace.
 
-Because the coordinator traces everything here, models and optimizers built in `repl.context()`
-in the notebook are real parameter-server variables and the same step_fn/input_fn as on every
-other backend train unchanged; nothing is pickled.
+Where the coordinator runs:
+  - with a real cluster (`cluster=`), in the process that makes the replicator (as TensorFlow's
+    own examples do);
+  - with cluster=None, never in the notebook: the notebook's replicator is remote (it has a
+    Launcher, launch/launcher.py) and launches one coordinator process, which starts the
+    parameter servers and workers as local TensorFlow servers and trains the cell or setup it
+    is sent, like a multi-worker launch. Connecting a process to a cluster renames its
+    TensorFlow job and fills its log with gRPC errors at shutdown: the kernel stays clean.
 
 What asynchronous training changes, and how the workbench deals with it:
   - no replica steps with another, so the cross-replica primitives (all_sum, broadcast, ...)
@@ -25,55 +28,43 @@ What asynchronous training changes, and how the workbench deals with it:
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import contextlib
 import gc
 import json
 import os
+import threading
 import time
-import warnings
 import weakref
 
 import numpy as np
 
-from workbench._src.errors import ConfigurationError, InputError, WorkerError
+from workbench._src.errors import ConfigurationError, InputError, WorkerError, check_positive_int
+from workbench._src.launch import runtime
 from workbench._src.program import Program, call_compiled
 from workbench._src.replicator import Replicator
 from workbench._src.tf_setup import tf
 
 SERVER_MODULE = "workbench._src.launch.server_main"
-CHUNK_SECONDS = 0.2
 _connected = None  # weakref to the replicator whose cluster this process uses (one at a time)
-
-
-_warned_about_rename = False
-
-
-def _warn_about_rename() -> None:
-    global _warned_about_rename
-    _warned_about_rename = True
-    warnings.warn(
-        "This process is now the coordinator of an async-ps cluster. Connecting renames its "
-        "TensorFlow job from 'localhost' to 'chief', so variables created in this process before "
-        "(a model trained on another backend, say) can no longer be read. Evaluate or save them "
-        "before the first async-ps run, or build them again afterwards.",
-        UserWarning,
-        stacklevel=4,
-    )
 
 
 class MultiWorkerAsyncReplicator(Replicator):
     """Asynchronous data parallelism: workers step independently on parameter-server variables.
 
     Args:
-      num_workers: worker servers (cluster=None: started here on 127.0.0.1).
+      num_workers: worker servers (cluster=None: started on this machine, reachable from it only).
       num_ps: parameter servers; variables are spread over them.
       cluster: a real cluster instead: "TF_CONFIG", "slurm", a TF_CONFIG-style dict, or a
         tf.distribute cluster resolver whose spec has "worker" and "ps" jobs. This process
         is the coordinator ("chief").
       startup_timeout: seconds for the local servers to come up.
+      heartbeat_timeout: a local coordinator process silent this long is declared frozen.
       threads_per_server: TensorFlow threads in each local server (None: TensorFlow's choice).
+
+    Example (the model is built in the coordinator process from the setup function):
+      >>> import workbench as wb
+      >>> repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+      >>> repl.num_replicas, repl.runs_in_processes
+      (2, True)
     """
 
     backend = "async-ps"
@@ -86,23 +77,33 @@ class MultiWorkerAsyncReplicator(Replicator):
         cluster=None,
         *,
         startup_timeout: float = 60.0,
+        heartbeat_timeout: float = 10.0,
         threads_per_server: int | None = None,
         **input_options,
     ):
         super().__init__(**input_options)
-        for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigurationError(f"{name} must be a positive integer; received {name}={value!r}.")
+        check_positive_int("num_workers", num_workers)
+        check_positive_int("num_ps", num_ps)
         self._num_workers, self.num_ps = num_workers, num_ps
         self._cluster_option = cluster
         self.startup_timeout = startup_timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self.threads_per_server = threads_per_server
         self.coordinator = None
-        self.group = None  # the local servers' ProcessGroup
+        self.group = None  # the local servers' ProcessGroup (in the coordinator process)
         self.cluster_spec: dict | None = None
+        if cluster is None and not runtime.is_launched():
+            from workbench._src.launch.launcher import Launcher
+
+            # The coordinator's own start includes the servers': give it their timeout and more.
+            self._launcher = Launcher(
+                self, startup_timeout=startup_timeout + 60.0, heartbeat_timeout=heartbeat_timeout
+            )
 
     @classmethod
     def from_replicas(cls, num_replicas=None, num_workers=None, num_ps=None, **kwargs):
+        if num_replicas is not None:
+            check_positive_int("num_replicas", num_replicas, fix="num_replicas=2 (one per worker)")
         workers = num_workers or num_replicas or 2
         if num_replicas is not None and num_replicas != workers:
             raise ConfigurationError(
@@ -137,8 +138,6 @@ class MultiWorkerAsyncReplicator(Replicator):
             # One process talks to one cluster: connecting rewires TensorFlow's context.
             previous.shutdown(reason="another async-ps replicator connected")
         resolver = self._resolver()
-        if not _warned_about_rename:
-            _warn_about_rename()
         strategy = t.distribute.ParameterServerStrategy(resolver)
         self.coordinator = t.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
@@ -158,6 +157,9 @@ class MultiWorkerAsyncReplicator(Replicator):
             self.num_ps = len(spec.get("ps", []))
             return resolver
         from workbench._src.launch.processes import ProcessGroup, free_ports, port_open
+
+        # Here in a coordinator process the launcher started (in the notebook the replicator is
+        # remote and never gets here): its servers are its own children.
 
         ports = free_ports(self._num_workers + self.num_ps + 1)
         cluster = {
@@ -205,8 +207,14 @@ class MultiWorkerAsyncReplicator(Replicator):
         )
 
     def shutdown(self, reason: str = "shutdown() called") -> None:
-        """Stops the local servers; the next use starts a fresh cluster (variables are lost)."""
+        """Stops the local servers; the next use starts a fresh cluster (variables are lost).
+
+        A remote replicator (in the notebook) has nothing running between runs: every run
+        launches its own coordinator and servers and stops them when it ends.
+        """
         global _connected
+        if self._launcher is not None:
+            return
         # Drop what refers to the remote functions and variables while the servers still
         # answer, so TensorFlow's clean-up does not flood the log with connection errors.
         # (Not coordinator._cluster.stop(): it waits forever for a dead worker's handler.)
@@ -221,8 +229,18 @@ class MultiWorkerAsyncReplicator(Replicator):
         if _connected is not None and _connected() is self:
             _connected = None
 
+    def _close_launched_process(self) -> None:
+        self.shutdown(reason="the coordinator process is ending")
+
+    def _started_processes(self) -> list[dict]:
+        """The servers this coordinator process started (reported to the launcher)."""
+        if self.group is None:
+            return []
+        return [{"role": c.role, "index": c.index, "pid": c.pid} for c in self.group.children]
+
     def _check_servers(self, run=None) -> None:
-        """Raises for a dead parameter server; reports dead workers once (the run goes on)."""
+        """Raises for a dead parameter server, or when no worker is left; reports dead workers
+        once (the run goes on with the others)."""
         if self.group is None:
             return
         for child in self.group.unexpected_exits():
@@ -234,13 +252,37 @@ class MultiWorkerAsyncReplicator(Replicator):
                     task=f"ps {child.index}",
                 )
             if run is not None:
-                alive = len([c for c in self.group.alive() if c.role == "worker"])
+                alive = self.live_workers()
                 run.publish(
                     "message",
                     text=f"worker {child.index} (pid {child.pid}) {child.exit_description()} at step "
-                    f"{run.steps}; {alive} worker(s) left: the coordinator runs its unfinished steps on them",
+                    f"{run.steps}; {alive} worker(s) left"
+                    + (": the coordinator runs its unfinished steps on them" if alive else ""),
                     worker_lost=child.index,
                 )
+        if self.live_workers() == 0:
+            raise WorkerError(
+                f"every async-ps worker has died (all {self._num_workers}); training cannot go on.",
+                task="worker",
+            )
+
+    # ----- what the launcher asks ---------------------------------------------------------------
+    def _launch_plan(self):
+        """One coordinator process; it starts the parameter servers and workers itself."""
+        from workbench._src.launch.launcher import Task
+
+        options = {
+            "num_workers": self._num_workers,
+            "num_ps": self.num_ps,
+            "startup_timeout": self.startup_timeout,
+            "threads_per_server": self.threads_per_server,
+        }
+        return [
+            Task("coordinator", 0, {**runtime.backend_env(self.backend, options), "CUDA_VISIBLE_DEVICES": ""})
+        ]
+
+    def _options_for_processes(self) -> dict:
+        return {"input_replication": self.input_replication, "input_split_fn": self.input_split_fn}
 
     def live_workers(self) -> int:
         if self.group is None:
@@ -283,11 +325,12 @@ class MultiWorkerAsyncReplicator(Replicator):
 
     def run(self, step_fn, input_fn):
         """One step on one worker (whichever is free); returns [its outputs]."""
+        if self._launcher is not None:
+            return self._launcher.run(step_fn, input_fn)
         return [self._program(step_fn, input_fn).run_one()]
 
-    def train(self, step_fn, input_fn, steps: int, **options):
-        """Trains asynchronously; returns the wb.Run. Options as `Replicator.train`."""
-        return train_async(self, step_fn, input_fn, steps, **options)
+    def _executor(self, program):
+        return CoordinatorExecutor(program)
 
 
 class AsyncProgram(Program):
@@ -298,6 +341,7 @@ class AsyncProgram(Program):
             Program(replicator, step_fn, input_fn)  # raises its clear error
         self.replicator, self.step_fn, self.input_fn = replicator, step_fn, input_fn
         self.steps_done = 0
+        self.fused_traced = False
         self.metric_names = None
         t = tf()
         strategy = replicator.strategy
@@ -339,198 +383,106 @@ class AsyncProgram(Program):
         return tf().nest.map_structure(lambda v: v, remote.fetch())
 
 
-def train_async(
-    repl,
-    step_fn,
-    input_fn,
-    steps: int,
-    *,
-    steps_per_execution="auto",
-    reduce=None,
-    checkpoint_dir=None,
-    checkpoint=None,
-    checkpoint_every=None,
-    resume=True,
-    on_nonfinite="stop",
-    background=False,
-    sinks=(),
-    name=None,
-):
-    """The async run loop: keeps every worker busy with chunks, records results as they return."""
-    from workbench._src.checkpoints import Saver
-    from workbench._src.train_loop import _check_options, drive, new_run
+class CoordinatorExecutor:
+    """The run loop's executor on the coordinator: chunks scheduled on whichever worker is free,
+    up to two per worker in flight, fetched in order as they return."""
 
-    _check_options(steps, steps_per_execution, reduce, on_nonfinite, checkpoint_every, checkpoint_dir)
-    program = repl._program(step_fn, input_fn)
-    run = new_run(repl, step_fn, input_fn, steps, steps_per_execution, sinks, name)
-    saver = Saver(repl, program, checkpoint_dir, checkpoint) if checkpoint_dir else None
-    loop = _AsyncLoop(run, repl, program, steps, steps_per_execution, saver, checkpoint_every, on_nonfinite)
-    return drive(run, loop.run_catching, background, on_nonfinite)
+    rate_window_seconds = 1.0  # results return in bursts (several workers finish together)
+    replicas_per_step = 1  # a step is one worker's
 
+    def __init__(self, program):
+        self.program, self.repl = program, program.replicator
+        self.max_in_flight = 2 * self.repl.num_workers
+        self.run = None
 
-class _AsyncLoop:
-    def __init__(self, run, repl, program, steps, steps_per_execution, saver, checkpoint_every, on_nonfinite):
-        self.run, self.repl, self.program, self.steps = run, repl, program, steps
-        self.fixed_k = None if steps_per_execution == "auto" else steps_per_execution
-        self.saver, self.checkpoint_every, self.on_nonfinite = saver, checkpoint_every, on_nonfinite
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="workbench fetch")
-        self.recent: collections.deque = collections.deque()  # (time, examples) of recent results
+    def start(self, run) -> None:
+        self.run = run
+        self.executed_before = int(self.repl.executed_steps.numpy())
 
-    def run_catching(self) -> None:
-        from workbench._src.train_loop import begin
+    def agree(self, k: int, stop: bool) -> tuple[int, bool]:
+        return k, stop
 
-        run = self.run
-        run.status = "running"
-        run.started_at = time.time()
-        server_lost = False
-        executed_before = int(self.repl.executed_steps.numpy())
-        try:
-            begin(run, self.saver, self.program)
-            status, reason = self._loop()
-        except BaseException as e:  # noqa: BLE001 - recorded, then re-raised by the caller
-            server_lost = isinstance(e, WorkerError)
-            if server_lost:
-                e.run = run
-                where = (
-                    f" The last checkpoint is in {self.saver.directory} (step {self.saver.step.numpy()}): "
-                    "build the model under a new replicator and call repl.restore(that directory), "
-                    "or go on training with repl.train(..., checkpoint_dir=that directory)."
-                    if self.saver and self.saver.manager.latest_checkpoint
-                    else " Pass checkpoint_dir= (and checkpoint_every=) to keep one next time."
-                )
-                e.args = (f"{e.args[0]} Training stopped at step {run.steps}.{where}",)
-                self.repl.shutdown(reason=str(e))
-            run.error = e
-            status, reason = "failed", f"{type(e).__name__}: {e}"
-        finally:
-            self.executor.shutdown(wait=False, cancel_futures=True)
-        if not server_lost:
-            with contextlib.suppress(Exception):
-                run.executed_steps = int(self.repl.executed_steps.numpy()) - executed_before
-                if run.executed_steps != run.steps:
-                    run.publish(
-                        "message",
-                        text=f"workers executed {run.executed_steps} steps for the {run.steps} in the history: "
-                        "parameter-server execution is at-least-once (steps lost with a worker run again)",
-                    )
-            if self.saver and status != "non-finite":
-                path = self.saver.save()
-                if path:
-                    run.publish("checkpoint", path=path, final=True)
-        run._finish(status, reason)
+    def submit(self, k: int):
+        return self.program.schedule(k)
 
-    def _loop(self):
-        run, program, repl = self.run, self.program, self.repl
-        target = program.steps_done + self.steps
-        scheduled = program.steps_done
-        in_flight: list = []  # (remote value, k)
-        k = self.fixed_k or 1
-        start = last = time.perf_counter()
-        first = True
-        status, reason = "finished", None
-        max_in_flight = 2 * repl.num_workers
-        while True:
-            stopping = run.stop_requested or status != "finished" or reason is not None
-            while not stopping and scheduled < target and len(in_flight) < max_in_flight:
-                chunk = min(k, target - scheduled, self._steps_to_next_checkpoint(scheduled))
-                in_flight.append((program.schedule(chunk), chunk))
-                scheduled += chunk
-                if first:
-                    break  # the first chunk traces: wait for it before scheduling more
-            if not in_flight:
-                break
-            remote, chunk = in_flight.pop(0)
-            fetched = self._fetch(remote)
-            if fetched is None:  # lost with a dead worker and not re-run by TensorFlow: run it again
-                in_flight.append((program.schedule(chunk), chunk))
-                run.publish(
-                    "message", text=f"a chunk of {chunk} steps was lost with a worker; scheduled again"
-                )
-                continue
-            rows, done = fetched
-            now = time.perf_counter()
-            if first:
-                run.compile_seconds = now - start
-            self._record(rows, program.steps_done + 1, last - start, now - start, timed=not first)
-            program.steps_done += done
-            last = now
-            bad = self._first_nonfinite(rows, program.steps_done - done + 1)
-            if bad and self.on_nonfinite != "ignore" and reason is None:
-                status, reason = "non-finite", bad
-            if done < chunk and reason is None:
-                reason = f"input exhausted after step {program.steps_done}"
-            if self.checkpoint_every and self.saver and program.steps_done % self.checkpoint_every == 0:
-                path = self.saver.save()
-                if path:
-                    run.publish("checkpoint", path=path, final=False)
-            if self.fixed_k is None and not first:
-                per_worker_step = (now - start) / max(1, program.steps_done) * repl.live_workers()
-                k = int(min(1000, k * 10, max(1, CHUNK_SECONDS / max(per_worker_step, 1e-9))))
-            first = False
-        if run.stop_requested and status == "finished" and program.steps_done < target:
-            status = "interrupted" if getattr(run, "_interrupted", False) else "stopped"
-            reason = f"stopped at step {program.steps_done}"
-        return status, reason
+    def collect(self, remote):
+        """(rows, steps done) of a scheduled chunk, or None when it was lost with a dead worker.
 
-    def _fetch(self, remote):
-        future = self.executor.submit(remote.fetch)
-        while True:
-            self.repl._check_servers(self.run)
+        The fetch blocks in TensorFlow (for as long as a worker is missing), so it runs on a
+        daemon thread while this one watches the servers: a dead parameter server, or no worker
+        left, ends the run within a fraction of a second instead of never."""
+        box: dict = {}
+        fetched = threading.Event()
+
+        def fetch():
             try:
-                rows, done = future.result(timeout=0.1)
-                return np.asarray(rows)[: int(done)], int(done)
-            except concurrent.futures.TimeoutError:
-                continue
-            except Exception as e:  # noqa: BLE001
-                self.repl._check_servers(self.run)  # a dead PS explains a fetch failure best
-                t = tf()
-                lost = (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)
-                if isinstance(e, lost) and self.repl.group is not None:
-                    # Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
-                    # mid-transfer can still fail like this. The PS is alive (checked above).
-                    if self.repl.live_workers() == 0:
-                        raise WorkerError("every async-ps worker has died; training cannot go on.") from None
-                    return None
-                raise _translated_input_error(e) from None
+                box["value"] = remote.fetch()
+            except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
+                box["error"] = e
+            finally:
+                fetched.set()
 
-    def _steps_to_next_checkpoint(self, scheduled: int) -> int:
-        if not self.checkpoint_every:
-            return 1000
-        return self.checkpoint_every - scheduled % self.checkpoint_every
+        threading.Thread(target=fetch, name="workbench fetch", daemon=True).start()
+        while not fetched.wait(0.1):
+            self.repl._check_servers(self.run)
+        if "error" in box:
+            return self._lost_or_raise(box["error"])
+        rows, done = box["value"]
+        done = int(done)
+        self.program.steps_done += done
+        self.program.fused_traced = True
+        return np.asarray(rows)[:done], done
 
-    def _record(self, rows, first_step, t0, t1, timed):
-        names = self.program.metric_names or []
-        n = len(rows)
-        if not n:
+    def _lost_or_raise(self, error):
+        self.repl._check_servers(self.run)  # a dead server explains a fetch failure best
+        t = tf()
+        lost = (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)
+        if isinstance(error, lost) and self.repl.group is not None:
+            # Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
+            # mid-transfer can still fail like this. The PS and a worker are alive (checked above).
+            return None
+        raise _translated_input_error(error) from None
+
+    def parallelism(self) -> int:
+        return max(1, self.repl.live_workers())
+
+    def extra_columns(self) -> dict:
+        return {"workers": self.repl.live_workers()}
+
+    def explain(self, error: BaseException) -> BaseException:
+        """A failure while a server is dying (e.g. during a checkpoint save) is the server's death."""
+        if isinstance(error, WorkerError):
+            return error
+        deadline = time.monotonic() + 2.0  # the exit status of a killed server takes a moment
+        while time.monotonic() < deadline:
+            try:
+                self.repl._check_servers(self.run)
+            except WorkerError as dead:
+                return dead
+            time.sleep(0.1)
+        return error
+
+    def healthy(self) -> bool:
+        try:
+            self.repl._check_servers()
+        except WorkerError:
+            return False
+        return True
+
+    def close(self) -> None:
+        run = self.run
+        if run is None or not self.healthy():
             return
-        per_step = (t1 - t0) / n
-        workers = self.repl.live_workers()
-        # Results return in bursts (several workers finish together), so throughput is taken
-        # over the last second of results rather than between two fetches.
-        self.recent.append((t1, float(rows[:, -1].sum())))
-        while len(self.recent) > 2 and t1 - self.recent[1][0] >= 1.0:
-            self.recent.popleft()
-        window = t1 - self.recent[0][0]
-        examples = sum(e for _, e in list(self.recent)[1:])
-        rate = examples / window if timed and window > 0 and len(self.recent) > 1 else float("nan")
-        out = []
-        for i in range(n):
-            row = {
-                "step": first_step + i,
-                "wall_time": t0 + per_step * (i + 1),
-                "examples_per_sec": rate,
-                "workers": workers,
-            }
-            for j, metric in enumerate(names):
-                row[metric] = float(rows[i, j])
-            out.append(row)
-        self.run.record_rows(out)
-
-    def _first_nonfinite(self, rows, first_step):
-        from workbench._src.train_loop import first_nonfinite
-
-        names = self.program.metric_names
-        return first_nonfinite(rows, first_step, names, self.on_nonfinite, self.saver is not None)
+        try:
+            run.executed_steps = int(self.repl.executed_steps.numpy()) - self.executed_before
+        except Exception:  # noqa: BLE001 - a server going away now: the history is exact anyway
+            return
+        if run.executed_steps != run.steps:
+            run.publish(
+                "message",
+                text=f"workers executed {run.executed_steps} steps for the {run.steps} in the history: "
+                "parameter-server execution is at-least-once (steps lost with a worker run again)",
+            )
 
 
 def _translated_input_error(error):

@@ -1,9 +1,11 @@
-"""A worker process of a local multi-worker run: `python -m workbench._src.launch.worker_main`.
+"""A process of a local multi-process run: `python -m workbench._src.launch.worker_main`.
 
-Started by MultiWorkerReplicator's launcher with TF_CONFIG and the channel's address and key in
-its environment. It connects back, receives the work (cloudpickled), builds the in-cluster
-replicator, runs the work, sends the result, and exits hard (os._exit): TensorFlow's collective
-runtime can hang a normal interpreter shutdown, and the parent already has all it needs.
+Started by a Launcher with the backend's name and options, its task, and the channel's address
+and key in its environment (TF_CONFIG too for a multi-worker worker). It connects back, receives
+the work (cloudpickled), builds this process's replicator (a multi-worker worker joins its peers;
+the async-ps coordinator starts its parameter servers and workers), runs the work, sends the
+result, and exits hard (os._exit): TensorFlow's collective runtime can hang a normal interpreter
+shutdown, and the launcher already has all it needs.
 """
 
 from __future__ import annotations
@@ -19,14 +21,18 @@ def main() -> None:
     link = ParentLink()
     link.start_heartbeat()
     code = 1
+    repl = None
     try:
         message = link.recv()
         _configure_tensorflow()
-        from workbench._src.backends import multi_worker
+        from workbench._src.launch import runtime
 
-        multi_worker.mark_launched_worker()
-        repl = multi_worker.worker_replicator()
-        repl.strategy  # noqa: B018 - blocks until every peer has connected
+        runtime.mark_launched()
+        repl = runtime.process_replicator()
+        repl.strategy  # noqa: B018 - joins the peers (multi-worker) or starts the servers (async-ps)
+        children = repl._started_processes() if hasattr(repl, "_started_processes") else []
+        if children:
+            link.send({"type": "processes", "children": children})
         link.send({"type": "ready"})
         import cloudpickle
 
@@ -36,13 +42,18 @@ def main() -> None:
         link.send({"type": "done"})
         code = 0
     except BaseException as error:  # noqa: BLE001 - reported to the launcher, which raises it
-        from workbench._src.backends.multi_worker import format_exception
+        from workbench._src.launch.shipping import format_exception
 
         try:
             link.send(format_exception(error))
         except Exception:  # noqa: BLE001 - the launcher is gone; nothing left to tell
             pass
     finally:
+        if repl is not None:
+            try:  # the coordinator's servers, scratch folders: os._exit skips every finalizer
+                repl._close_launched_process()
+            except Exception:  # noqa: BLE001 - exiting anyway; servers also exit on stdin EOF
+                pass
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

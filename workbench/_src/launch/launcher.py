@@ -1,0 +1,342 @@
+"""The launcher: a local multi-process run seen from the notebook (or script) that starts it.
+
+A process backend (multi-worker, async-ps) with no cluster given is, in the notebook, a
+replicator with a Launcher. Nothing TensorFlow-distributed happens in this process: the launcher
+starts the run's processes on this machine (ProcessGroup), hands them the work over the
+authenticated channel, relays the events of the chief's run into a wb.Run here (so the live
+dashboard, the run store and the JupyterLab sidebar work unchanged), notices deaths, freezes and
+stalls, and stops every process whatever happens. The backend says which processes to start
+(`_launch_plan()`: multi-worker, N workers that all-reduce; async-ps, one coordinator that starts
+its own parameter servers and workers); the rest is the same for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+
+from workbench._src.errors import ConfigurationError, WorkerError
+from workbench._src.launch import shipping
+
+WORKER_MODULE = "workbench._src.launch.worker_main"
+
+
+@dataclasses.dataclass
+class Task:
+    """One process of a launch: `role:index` names it; env is added to its environment."""
+
+    role: str
+    index: int
+    env: dict
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}:{self.index}"
+
+
+class Launcher:
+    """Starts, follows and stops the processes of one backend's local runs."""
+
+    def __init__(self, replicator, *, startup_timeout: float, heartbeat_timeout: float):
+        self.repl = replicator
+        self.startup_timeout = startup_timeout
+        self.heartbeat_timeout = heartbeat_timeout
+        self.last_processes: list[dict] = []  # role/index/pid of every process of the last launch
+
+    def no_strategy_error(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"This {self.repl.backend} replicator runs its steps in worker processes that it "
+            "starts, so this process has no strategy to run steps on; step_fn and the primitives "
+            "run inside those processes. Fix: train with a %%replicate cell, repl.train(setup=build, "
+            "steps=N) or repl.train(step_fn, input_fn, steps=N) (functions travel to the workers), "
+            "or run code in every worker with repl.run_on_workers(fn)."
+        )
+
+    # ----- what the replicator delegates -------------------------------------------------
+    def run(self, step_fn, input_fn):
+        per_worker = self.run_on_workers(shipping.OneStep(step_fn, input_fn))
+        return [out for worker in per_worker for out in worker]
+
+    def run_on_workers(self, fn, *, timeout: float | None = None) -> list:
+        work = shipping.CallWork(fn)
+        results = self.launch(work, run=None, timeout=timeout)
+        return [results[task] for task in sorted(results, key=_task_order)]
+
+    def train(self, step_fn, input_fn, steps, *, setup=None, warmup=0, **options):
+        work = shipping.TrainWork(step_fn=step_fn, input_fn=input_fn, setup=setup, warmup=warmup)
+        return self._train(work, steps, options, local_variables=None)
+
+    def train_cell(self, source: str, namespace: dict, steps: int, *, filename=None, **options):
+        setup, local_variables = self.setup_from_cell(source, namespace, filename)
+        return self._train(shipping.TrainWork(setup=setup), steps, options, local_variables=local_variables)
+
+    def setup_from_cell(self, source: str, namespace: dict, filename: str | None = None):
+        """Runs a cell's source here, in the replicator's local context, so its mistakes show at
+        once and the notebook gets its names (and `model`); returns (a CellSetup that rebuilds
+        the cell in each process with the notebook's picklable names, the variables made here)."""
+        from workbench._src.cells import CELL_FILENAME, execute_source
+
+        filename = filename or CELL_FILENAME
+        namespace.setdefault("repl", self.repl)
+        first = len(self.repl._created_variables)
+        with self.repl.context():
+            execute_source(source, namespace, filename)
+        shipped, _skipped = shipping.picklable_namespace(namespace)
+        return shipping.CellSetup(source, shipped, filename), self.repl._created_variables[first:]
+
+    # ----- a launched run -------------------------------------------------------------------
+    def _train(self, work, steps, options, local_variables):
+        from workbench._src.run_loop import drive, new_run, options_from
+
+        opts = options_from(steps, options)
+        work.steps, work.options = steps, opts.for_workers()
+        run = new_run(self.repl, work.step_fn, work.input_fn, opts)
+
+        def body(run):
+            try:
+                results = self.launch(work, run)
+            except WorkerError as error:
+                if "checkpoint" not in error.args[0]:
+                    error.args = (error.args[0] + self._checkpoint_hint(run),)
+                raise
+            chief = results[self.chief_task()]
+            run.compile_seconds = chief.get("compile_seconds")
+            if chief.get("executed_steps") is not None:
+                run.executed_steps = chief["executed_steps"]
+            status, reason = chief["status"], chief["reason"]
+            if status == "stopped" and run._interrupted and reason:
+                reason = reason.replace("stopped at", "interrupted at", 1)
+            if local_variables and chief.get("weights"):
+                shipping.load_weights(local_variables, chief["weights"], run)
+            return status, reason
+
+        return drive(run, body, opts.background, opts.on_nonfinite)
+
+    @staticmethod
+    def _checkpoint_hint(run) -> str:
+        saved = [e.data.get("path") for e in run.events if e.kind == "checkpoint"]
+        if not saved:
+            return ""
+        return (
+            f" The last checkpoint is {saved[-1]}: build the model on a new replicator and call "
+            "repl.restore(its folder), or train again with checkpoint_dir= that folder to go on."
+        )
+
+    def chief_task(self) -> str:
+        return self.repl._launch_plan()[0].name
+
+    def launch(self, work, run=None, timeout: float | None = None) -> dict:
+        """Starts the processes, hands them `work`, follows them to the end; returns task -> result."""
+        from workbench._src.launch.channel import Channel
+        from workbench._src.launch.processes import ProcessGroup
+
+        work.replicator_options = self.repl._options_for_processes()
+        payload = shipping.dumps_for_workers(work)
+        tasks = self.repl._launch_plan()
+        group = ProcessGroup(self.repl.backend)
+        channel = Channel(group)
+        watch = _Watch(self, tasks, group, channel, run, payload, timeout)
+        try:
+            for task in tasks:
+                group.start(task.role, task.index, WORKER_MODULE, {**channel.env(), **task.env})
+            self.last_processes = [{"role": c.role, "index": c.index, "pid": c.pid} for c in group.children]
+            return watch.follow()
+        finally:
+            group.stop(grace=1.0)  # MWMS ignores SIGTERM: the SIGKILL after the grace does it
+            channel.close()
+
+
+class _Watch:
+    """Follows one launch: hands out work, relays events, notices deaths, freezes and stalls."""
+
+    def __init__(self, launcher: Launcher, tasks, group, channel, run, payload, timeout):
+        self.launcher, self.group, self.channel, self.run = launcher, group, channel, run
+        self.payload, self.timeout = payload, timeout
+        self.tasks = [t.name for t in tasks]
+        self.chief = self.tasks[0]
+        self.heard: dict[str, float] = {}
+        self.ready: set[str] = set()
+        self.results: dict = {}
+        self.stop_sent = False
+        self.started = time.monotonic()
+
+    def follow(self) -> dict:
+        while len(self.results) < len(self.tasks):
+            try:
+                task, message = self.channel.messages.get(timeout=0.1)
+            except queue.Empty:
+                task, message = None, None
+            if message is not None:
+                self._handle(task, message)
+            self._check()
+        return self.results
+
+    def _handle(self, task: str, message: dict) -> None:
+        kind = message.get("type")
+        self.heard[task] = time.monotonic()
+        if kind == "hello":
+            self.channel.send(task, {"type": "work", "payload": self.payload})
+        elif kind == "ready":
+            self.ready.add(task)
+            if len(self.ready) == len(self.tasks) and self.run is not None:
+                seconds = time.monotonic() - self.started
+                self.run.startup_seconds = seconds
+                self.run.publish(
+                    "message", text=f"{self.launcher.repl.backend} processes ready in {seconds:.1f} s"
+                )
+        elif kind == "processes":  # what a coordinator started itself (async-ps servers)
+            self.launcher.last_processes.extend(message["children"])
+        elif kind == "event":
+            self._relay(task, message)
+        elif kind == "result":
+            self.results[task] = message["value"]
+        elif kind == "done":
+            self._child(task).expected_exit = True
+        elif kind == "error":
+            self._fail_after_error(task, message)
+        elif kind == "disconnected" and task not in self.results:
+            time.sleep(0.3)  # let the exit status arrive so the error can say how it ended
+            self._check()
+
+    def _relay(self, task: str, message: dict) -> None:
+        run, event_kind, data = self.run, message["kind"], message["data"]
+        if run is None:
+            return
+        if task != self.chief:  # every worker computes the same reduced metrics: the chief's suffice
+            if event_kind == "message":
+                run.publish("message", text=f"{_label(task)}: {data.get('text')}")
+            return
+        if event_kind == "metrics":
+            run.record_rows(data["rows"])
+        elif event_kind == "started":
+            run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1))
+        elif event_kind in ("checkpoint", "message"):
+            run.publish(event_kind, **data)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        dead = self.group.unexpected_exits()
+        if dead:
+            # A witness that reported the collective failure and exited is not the culprit:
+            # collect pending reports first, then prefer a process killed by a signal.
+            errors = self._drain_errors(0.5)
+            dead = self.group.unexpected_exits()
+            if not dead:
+                if errors:
+                    self._report_errors(errors)
+                return
+            child = next((c for c in dead if c.popen.returncode < 0), dead[0])
+            self._raise(
+                f"{_label(f'{child.role}:{child.index}')} (pid {child.pid}) {child.exit_description()}"
+                f"{self._at_step()}; every process of the run was stopped.",
+                f"{child.role}:{child.index}",
+            )
+        for task in self.tasks:
+            last = self.heard.get(task)
+            if last is not None and task not in self.results and now - last > self.launcher.heartbeat_timeout:
+                self._raise(
+                    f"{_label(task)} (pid {self._child(task).pid}) stopped responding: no heartbeat for "
+                    f"{now - last:.0f} s (frozen, stopped or starved){self._at_step()}; every process "
+                    "of the run was stopped.",
+                    task,
+                )
+        if len(self.ready) < len(self.tasks) and now - self.started > self.launcher.startup_timeout:
+            missing = [t for t in self.tasks if t not in self.ready]
+            names = ", ".join(_label(t) for t in missing)
+            self._raise(
+                f"{names} did not start within startup_timeout={self.launcher.startup_timeout:.0f} s "
+                f"({len(self.ready)} of {len(self.tasks)} ready). Fix: a busy machine needs a longer "
+                "startup_timeout; otherwise see the log below.",
+                missing[0],
+            )
+        if self.timeout is not None and now - self.started > self.timeout:
+            self._raise(f"the workers did not finish within timeout={self.timeout} s.", None)
+        if self.run is not None and self.run.stop_requested and not self.stop_sent:
+            self.channel.broadcast({"type": "stop"})
+            self.stop_sent = True
+
+    def _fail_after_error(self, task: str, message: dict) -> None:
+        # A worker whose peer died or froze reports the collective failure first; give the
+        # process table, heartbeats and the other workers' reports a moment, then name the
+        # culprit rather than the witness.
+        self._child(task).expected_exit = True  # it exits after reporting
+        errors = {task: message, **self._drain_errors(0.7)}
+        self._check()  # a worker that died without reporting is the culprit
+        now = time.monotonic()
+        for other in self.tasks:
+            silent = now - self.heard.get(other, now)
+            if other not in errors and other not in self.results and silent > 2.0:
+                self._raise(
+                    f"{_label(other)} (pid {self._child(other).pid}) stopped responding (no heartbeat "
+                    f"for {silent:.0f} s){self._at_step()}; {_label(task)} then failed: "
+                    f"{message['summary']}",
+                    other,
+                )
+        self._report_errors(errors)
+
+    def _drain_errors(self, seconds: float) -> dict:
+        """Reads the channel for `seconds`; returns the error reports (task -> message)."""
+        errors = {}
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                task, message = self.channel.messages.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            self.heard[task] = time.monotonic()
+            if message.get("type") == "error":
+                errors[task] = message
+                self._child(task).expected_exit = True
+            elif message.get("type") == "result":
+                self.results[task] = message["value"]
+            elif message.get("type") == "event":
+                self._relay(task, message)  # the history up to the failure
+        return errors
+
+    def _report_errors(self, errors: dict) -> None:
+        first = min(errors, key=_task_order)  # the same mistake on every worker: report the chief's
+        error = errors[first]
+        from workbench._src import errors as workbench_errors
+
+        kind = getattr(workbench_errors, error.get("error_class") or "", None)
+        if kind is not None and kind is not WorkerError:
+            # The user's mistake (a bad cell, a wrong batch): the same error class and message
+            # as on an in-process backend, not a wrapper around it.
+            raise kind(error["message"])
+        if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
+            raise WorkerError(error["message"], task=_label(first))
+        self._raise(
+            f"{_label(first)} failed{self._at_step()}: {error['summary']}\n--- its traceback ---\n"
+            f"{_trim_traceback(error.get('traceback', ''))}",
+            None,
+        )
+
+    def _at_step(self) -> str:
+        return f" at step {self.run.steps}" if self.run is not None and self.run.steps else ""
+
+    def _child(self, task: str):
+        role, index = task.split(":")
+        return next(c for c in self.group.children if c.role == role and c.index == int(index))
+
+    def _raise(self, text: str, task: str | None) -> None:
+        log = ""
+        if task is not None:
+            tail = self._child(task).log_tail()
+            if tail:
+                log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
+        backend = self.launcher.repl.backend
+        raise WorkerError(f"{backend} run failed: {text}{log}", task=_label(task) if task else None)
+
+
+def _task_order(task: str):
+    role, index = task.split(":")
+    return (role != "worker", role, int(index))
+
+
+def _label(task: str) -> str:
+    return task.replace(":", " ")
+
+
+def _trim_traceback(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])

@@ -1,0 +1,48 @@
+"""Inside a process the workbench launched: which backend this process is, and its replicator.
+
+The launcher puts the backend's name and options in the child's environment (BACKEND_ENV); the
+child builds the in-process face of the same backend class from them, once. A replicator that a
+function refers to travels as a reference to that process replicator (`Replicator.__reduce__`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+BACKEND_ENV = "WORKBENCH_BACKEND"  # {"backend": "multi-worker", "options": {...}}
+_launched = False
+_replicator = None
+
+
+def mark_launched() -> None:
+    """Called first thing by worker_main: this process is a member of a local cluster."""
+    global _launched
+    _launched = True
+
+
+def is_launched() -> bool:
+    """True in a process the workbench launched (a local worker or coordinator)."""
+    return _launched
+
+
+def backend_env(backend: str, options: dict) -> dict[str, str]:
+    return {BACKEND_ENV: json.dumps({"backend": backend, "options": options})}
+
+
+def process_replicator():
+    """This launched process's replicator (the in-process face of the launcher's backend)."""
+    global _replicator
+    if _replicator is None:
+        from workbench._src.backends import backend_class
+        from workbench._src.errors import ConfigurationError
+
+        if not _launched or BACKEND_ENV not in os.environ:
+            raise ConfigurationError(
+                "A replicator of a local multi-process run was unpickled outside a process the "
+                "workbench launched. Fix: send functions to workers through repl.train(setup=...) "
+                "or repl.run_on_workers(fn) of that replicator."
+            )
+        spec = json.loads(os.environ[BACKEND_ENV])
+        _replicator = backend_class(spec["backend"])(**spec["options"])
+    return _replicator

@@ -1,0 +1,489 @@
+"""The one run loop behind `repl.train`: chunks of fused steps, metrics, checkpoints, stops.
+
+Whatever executes the steps, a run goes through the same loop:
+
+  - `drive` owns the lifecycle: starts the run, runs it here (Ctrl-C stops at a step boundary)
+    or in a background thread, and ends it whatever happens; an error carries `.run`.
+  - `ChunkLoop` sizes the chunks, keeps an executor busy, records the rows, stops on NaN/Inf, a
+    stop request or an exhausted dataset, and saves checkpoints. An *executor* runs the chunks:
+      InProcessExecutor   the fused tf.function of a Program, here (single, mirrored, tpu, and
+                          each worker of a multi-worker run);
+      CoordinatorExecutor chunks scheduled on parameter-server workers (backends/async_ps.py).
+    A third way to execute a run, in worker processes started here, has no loop of its own in
+    this process: the launcher (launch/launcher.py) relays the loop that runs in the processes.
+
+Chunk length k is either fixed (`steps_per_execution=k`) or "auto": after the first call (which
+traces), k grows until a chunk takes about CHUNK_SECONDS, long enough that Python overhead
+vanishes, short enough that stop requests, Ctrl-C and live plots are served within a fraction
+of a second.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+
+from workbench._src.errors import ConfigurationError, NonFiniteError, check_positive_int
+from workbench._src.run import Run
+
+CHUNK_SECONDS = 0.2
+MAX_STEPS_PER_EXECUTION = 1000
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """What `repl.train` accepts besides the functions; validated once, for every backend.
+
+    Attributes:
+      steps: steps to run (each step: every replica takes one batch).
+      steps_per_execution: steps fused into one compiled call, or "auto".
+      reduce: how each scalar output is combined across replicas, e.g. {"correct": "sum"}; the
+        default for every scalar is "mean". Non-scalar outputs are not recorded.
+      checkpoint_dir: where to save checkpoints (at the end, every `checkpoint_every` steps, and
+        when the run is stopped or fails); checked before the first step.
+      checkpoint: what to save: a tf.train.Checkpoint or a dict of trackables (e.g.
+        {"model": model, "optimizer": opt}); default: every variable created in repl.context().
+      resume: restore the latest checkpoint in checkpoint_dir first, and go on counting from
+        its step (False: start from the variables as they are, and save over it).
+      on_nonfinite: a NaN/Inf metric "stop"s the run with a warning, "raise"s NonFiniteError
+        (the partial run in `err.run`), or is "ignore"d.
+      background: return at once and train in a thread; use run.stop() / run.wait().
+      sinks: callables (or objects with send) that receive the run's events.
+      name: the run's name (default "run N").
+    """
+
+    steps: int
+    steps_per_execution: int | Literal["auto"] = "auto"
+    reduce: dict | None = None
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint: object = None
+    checkpoint_every: int | None = None
+    resume: bool = True
+    on_nonfinite: Literal["stop", "raise", "ignore"] = "stop"
+    background: bool = False
+    sinks: tuple = ()
+    name: str | None = None
+
+    def __post_init__(self):
+        steps = self.steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ConfigurationError(
+                f"steps must be a non-negative integer; received steps={steps!r}. Fix: e.g. steps=300."
+            )
+        if self.steps_per_execution != "auto":
+            check_positive_int(
+                "steps_per_execution", self.steps_per_execution, fix="a step count such as 20, or 'auto'"
+            )
+        for metric, op in (self.reduce or {}).items():
+            if op not in ("mean", "sum"):
+                raise ConfigurationError(
+                    f"reduce[{metric!r}] must be 'mean' or 'sum'; received {op!r}. For max/min, "
+                    "reduce inside step_fn with repl.all_reduce(x, 'max') and return the result."
+                )
+        if self.on_nonfinite not in ("stop", "raise", "ignore"):
+            raise ConfigurationError(
+                f"on_nonfinite must be 'stop', 'raise' or 'ignore'; received {self.on_nonfinite!r}."
+            )
+        if not isinstance(self.resume, bool):
+            raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
+        if self.checkpoint_every is not None and (
+            not self.checkpoint_dir
+            or not isinstance(self.checkpoint_every, int)
+            or isinstance(self.checkpoint_every, bool)
+            or self.checkpoint_every < 1
+        ):
+            raise ConfigurationError(
+                f"checkpoint_every needs a positive step count and a checkpoint_dir; received "
+                f"checkpoint_every={self.checkpoint_every!r}, checkpoint_dir={self.checkpoint_dir!r}."
+            )
+        if self.checkpoint_dir is not None:
+            from workbench._src.checkpoints import check_writable_directory
+
+            self.checkpoint_dir = check_writable_directory(self.checkpoint_dir)
+        self.sinks = tuple(self.sinks or ())
+
+    def for_workers(self) -> dict:
+        """The options a launched process trains with (sinks, background and name stay here)."""
+        keep = (
+            "steps_per_execution",
+            "reduce",
+            "checkpoint_dir",
+            "checkpoint_every",
+            "resume",
+            "on_nonfinite",
+        )
+        return {k: getattr(self, k) for k in keep}
+
+
+def train(replicator, step_fn: Callable, input_fn: Callable, steps: int, **options) -> Run:
+    """Trains step_fn on input_fn for `steps` steps in this process; returns the wb.Run.
+
+    The options are RunOptions' (steps_per_execution, reduce, checkpoint_dir, checkpoint,
+    checkpoint_every, resume, on_nonfinite, background, sinks, name).
+    """
+    opts = options_from(steps, options)
+    program = replicator._program(step_fn, input_fn)
+    executor = replicator._executor(program)
+    run = new_run(replicator, step_fn, input_fn, opts)
+    saver = None
+    if opts.checkpoint_dir:
+        from workbench._src.checkpoints import Saver
+
+        saver = Saver(replicator, program, opts.checkpoint_dir, opts.checkpoint, resume=opts.resume)
+    loop = ChunkLoop(run, program, executor, opts, saver)
+    return drive(run, loop.execute, opts.background, opts.on_nonfinite)
+
+
+def options_from(steps, options: dict) -> RunOptions:
+    unknown = set(options) - {f.name for f in dataclasses.fields(RunOptions)}
+    if unknown:
+        valid = ", ".join(f.name for f in dataclasses.fields(RunOptions) if f.name != "steps")
+        raise ConfigurationError(
+            f"train() got unknown option(s) {sorted(unknown)}. Valid options: {valid}, and setup=/warmup=."
+        )
+    return RunOptions(steps=steps, **options)
+
+
+def new_run(replicator, step_fn, input_fn, opts: RunOptions) -> Run:
+    """A Run configured from the replicator and the functions, subscribed to every default sink
+    (workbench._src.sinks: the run store, the lab watcher) and to the caller's `sinks`."""
+    from workbench._src.sinks import attach_default_sinks
+
+    config = {
+        **replicator.describe(),
+        "step_fn": function_name(step_fn, "step_fn"),
+        "input_fn": function_name(input_fn, "input_fn"),
+        "steps": opts.steps,
+        "steps_per_execution": opts.steps_per_execution,
+    }
+    run = Run(config, name=opts.name)
+    attach_default_sinks(run)
+    for sink in opts.sinks:
+        run.subscribe(sink)
+    return run
+
+
+def function_name(fn, default: str) -> str:
+    """How a run's config names step_fn / input_fn (`default` when a worker builds them)."""
+    if fn is None:
+        return default
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def drive(run: Run, body: Callable[[Run], tuple[str, str | None]], background: bool, on_nonfinite="stop"):
+    """Starts `run`, calls body(run) -> (status, reason) and ends the run with it, or failed with
+    what body raised. In a daemon thread (background=True: returns at once), or here with Ctrl-C
+    stopping at a step boundary; then raises what the run failed with (carrying `.run`)."""
+
+    def execute():
+        try:
+            status, reason = body(run)
+        except BaseException as error:  # noqa: BLE001 - the run records it; re-raised below
+            run._fail(error)
+        else:
+            run._end(status, reason)
+
+    run._start()
+    if background:
+        run._thread = threading.Thread(target=execute, name=f"workbench {run.name}", daemon=True)
+        run._thread.start()
+        return run
+    with _stop_on_sigint(run):
+        execute()
+    if run.status == "failed":
+        raise run.error
+    if run.status == "non-finite" and on_nonfinite == "raise":
+        raise NonFiniteError(run.stop_reason, run=run)
+    return run
+
+
+class InProcessExecutor:
+    """Runs chunks of a Program's fused loop here, one at a time."""
+
+    max_in_flight = 1
+    rate_window_seconds = 0.0  # each chunk's own time gives its throughput
+
+    def __init__(self, program):
+        self.program = program
+        self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
+
+    def start(self, run) -> None:
+        pass
+
+    def agree(self, k: int, stop: bool) -> tuple[int, bool]:
+        # Multi-worker replicas must run chunks of the same length and stop together; the
+        # replicator agrees on both across workers (a no-op in one process).
+        return self.program.replicator._agree_on_chunk(k, stop)
+
+    def submit(self, k: int):
+        return self.program.run_fused(k)  # runs now; program.steps_done advances
+
+    def collect(self, handle):
+        return handle
+
+    def parallelism(self) -> int:
+        return 1
+
+    def extra_columns(self) -> dict:
+        return {}
+
+    def explain(self, error: BaseException) -> BaseException:
+        """The error to fail the run with (a backend may name a dead process instead)."""
+        return error
+
+    def healthy(self) -> bool:
+        """Whether a checkpoint can still be saved after a failure."""
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class ChunkLoop:
+    """Keeps the executor busy with chunks until `steps` steps have run or the run must stop."""
+
+    def __init__(self, run: Run, program, executor, opts: RunOptions, saver):
+        self.run, self.program, self.executor, self.opts, self.saver = run, program, executor, opts, saver
+        self.fixed_k = None if opts.steps_per_execution == "auto" else opts.steps_per_execution
+        self.reduce = opts.reduce or {}
+        self.recent: collections.deque = collections.deque()  # (time, examples) for windowed rates
+
+    def execute(self, run: Run) -> tuple[str, str | None]:
+        try:
+            self._begin()
+            status, reason = self._loop()
+        except BaseException as error:  # noqa: BLE001 - save what we have, then fail the run
+            error = self.executor.explain(error)
+            if self.executor.healthy():
+                self._save(final=True, failing=True)
+            raise _with_checkpoint_hint(error, self.saver) from None
+        finally:
+            self.executor.close()
+        if self.saver and status != "non-finite":
+            self._save(final=True)
+        return status, reason
+
+    def _begin(self) -> None:
+        run, saver, program = self.run, self.saver, self.program
+        self.executor.start(run)
+        if saver:
+            restored = saver.restore_if_any()
+            if restored is not None:
+                run.publish("message", text=f"resumed from checkpoint at step {restored}: {saver.directory}")
+        run.publish("started", name=run.name, config=run.config, first_step=program.steps_done + 1)
+
+    def _loop(self) -> tuple[str, str | None]:
+        run, program, executor = self.run, self.program, self.executor
+        first_step = program.steps_done
+        target = first_step + self.opts.steps
+        scheduled = first_step
+        in_flight: collections.deque = collections.deque()  # (handle, chunk, submitted at)
+        k = self.fixed_k or 1
+        start = last = time.perf_counter()
+        first_call = True
+        # The first call of a program's fused loop traces and compiles it: not a throughput. A
+        # later run of the same program (e.g. after a warm-up run) is timed from its first step.
+        compiling = not program.fused_traced
+        status, reason = "finished", None
+        while True:
+            while (
+                not (run.stop_requested or reason)
+                and scheduled < target
+                and len(in_flight) < executor.max_in_flight
+            ):
+                chunk = min(k, target - scheduled, self._steps_to_next_checkpoint(scheduled))
+                chunk, stop = executor.agree(chunk, run.stop_requested)
+                if stop:
+                    run.stop()  # another worker asked: stop here too
+                    break
+                submitted = time.perf_counter()  # before: an in-process submit runs the chunk
+                in_flight.append((executor.submit(chunk), chunk, submitted))
+                scheduled += chunk
+                if first_call:
+                    break  # the first chunk traces: wait for it before scheduling more
+            if not in_flight:
+                break
+            handle, chunk, submitted = in_flight.popleft()
+            result = executor.collect(handle)
+            if result is None:  # lost with a dead worker and not re-run by TensorFlow: run it again
+                submitted = time.perf_counter()
+                in_flight.append((executor.submit(chunk), chunk, submitted))
+                run.publish(
+                    "message", text=f"a chunk of {chunk} steps was lost with a worker; scheduled again"
+                )
+                continue
+            rows, done = result
+            now = time.perf_counter()
+            if first_call:
+                run.compile_seconds = now - start if compiling else 0.0
+            t0 = max(submitted, last)
+            self._record(
+                rows,
+                program.steps_done - done + 1,
+                t0 - start,
+                now - start,
+                timed=not (first_call and compiling),
+            )
+            last = now
+            bad = first_nonfinite(
+                rows,
+                program.steps_done - done + 1,
+                program.metric_names,
+                self.opts.on_nonfinite,
+                self.saver is not None,
+            )
+            if bad and self.opts.on_nonfinite != "ignore" and not reason:
+                status, reason = "non-finite", bad
+            if done < chunk and not reason:
+                reason = self._exhausted(program.steps_done - first_step)
+            if self.opts.checkpoint_every and program.steps_done % self.opts.checkpoint_every == 0:
+                self._save()
+            if self.fixed_k is None and not first_call and done:
+                per_step = (now - t0) / done * executor.parallelism()
+                k = int(min(MAX_STEPS_PER_EXECUTION, k * 10, max(1, CHUNK_SECONDS / max(per_step, 1e-9))))
+            first_call = False
+        if status == "finished" and not reason and run.stop_requested and program.steps_done < target:
+            status, reason = "stopped", run.stopped_reason(program.steps_done)
+        return status, reason
+
+    def _exhausted(self, ran: int) -> str:
+        reason = (
+            f"input exhausted after {ran} of {self.opts.steps} steps: input_fn's dataset ran out. "
+            "Fix: add .repeat() to the dataset (before .batch) to train for as many steps as asked."
+        )
+        warnings.warn(f"{self.run.name}: {reason}", RuntimeWarning, stacklevel=2)
+        return reason
+
+    def _steps_to_next_checkpoint(self, scheduled: int) -> int:
+        every = self.opts.checkpoint_every
+        return every - scheduled % every if every else MAX_STEPS_PER_EXECUTION
+
+    def _record(self, rows: np.ndarray, first_step: int, t0: float, t1: float, timed: bool) -> None:
+        names = self.program.metric_names or []
+        n = len(rows)
+        if not n:
+            return
+        per_step = (t1 - t0) / n
+        rate = self._rate(rows, t0, t1) if timed else float("nan")
+        extra = self.executor.extra_columns()
+        out = []
+        for i in range(n):
+            row = {
+                "step": first_step + i,
+                "wall_time": t0 + per_step * (i + 1),
+                "examples_per_sec": rate if self.executor.rate_window_seconds else rows[i, -1] / per_step,
+                **extra,
+            }
+            if not timed:
+                row["examples_per_sec"] = float("nan")
+            for j, metric in enumerate(names):
+                value = float(rows[i, j])
+                summed = self.reduce.get(metric, "mean") == "sum"
+                row[metric] = value if summed else value / self.executor.replicas_per_step
+            out.append(row)
+        self.run.record_rows(out)
+
+    def _rate(self, rows, t0: float, t1: float) -> float:
+        """Examples/s of this chunk; over the last `rate_window_seconds` of results when results
+        return in bursts (several async workers finish together)."""
+        examples = float(rows[:, -1].sum())
+        window = self.executor.rate_window_seconds
+        if not window:
+            return examples / max(t1 - t0, 1e-12)
+        self.recent.append((t1, examples))
+        while len(self.recent) > 2 and t1 - self.recent[1][0] >= window:
+            self.recent.popleft()
+        span = t1 - self.recent[0][0]
+        if len(self.recent) < 2 or span <= 0:
+            return float("nan")
+        return sum(e for _, e in list(self.recent)[1:]) / span
+
+    def _save(self, final: bool = False, failing: bool = False) -> None:
+        if not self.saver:
+            return
+        try:
+            path = self.saver.save()
+        except BaseException as error:  # noqa: BLE001
+            if failing:  # the run is failing already: its own error is the one to show
+                self.run.publish(
+                    "message", text=f"the checkpoint could not be saved: {type(error).__name__}: {error}"
+                )
+                return
+            raise self.executor.explain(error) from None
+        if path:
+            self.run.publish("checkpoint", path=path, final=final)
+
+
+def _with_checkpoint_hint(error: BaseException, saver) -> BaseException:
+    """A WorkerError names the last checkpoint to go on from (or says how to keep one)."""
+    from workbench._src.errors import WorkerError
+
+    if not isinstance(error, WorkerError) or not error.args:
+        return error
+    if saver is not None and saver.manager.latest_checkpoint:
+        hint = (
+            f" The last checkpoint is {saver.manager.latest_checkpoint}: build the model on a new "
+            f"replicator and call repl.restore({saver.directory!r}), or train again with "
+            "checkpoint_dir= that folder to go on."
+        )
+    else:
+        hint = " Pass checkpoint_dir= (and checkpoint_every=) to keep a checkpoint next time."
+    error.args = (f"{error.args[0]}{hint}", *error.args[1:])
+    return error
+
+
+def first_nonfinite(rows: np.ndarray, first_step: int, names, on_nonfinite: str, checkpoint_kept: bool):
+    """The message for the first NaN/Inf metric in `rows` (steps x metrics + batch), else None;
+    also warned when on_nonfinite="stop"."""
+    values = rows[:, :-1]
+    bad = ~np.isfinite(values)
+    if not bad.any():
+        return None
+    i, j = map(int, np.argwhere(bad)[0])
+    metric = (names or ["?"])[j]
+    message = (
+        f"Training stopped at step {first_step + i}: metric {metric!r} is {values[i, j]} "
+        f"(last finite value at step {first_step + i - 1}). Common causes: a learning rate "
+        "too high, a log/division of zero, or the loss summed instead of averaged. The "
+        "history up to that step is in run.history"
+        + ("; the last checkpoint before it is kept." if checkpoint_kept else ".")
+    )
+    if on_nonfinite == "stop":
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return message
+
+
+class _stop_on_sigint:
+    """First Ctrl-C (or a Jupyter interrupt): stop at the next step boundary. Second: abort."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self.previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum, frame):
+            if self.run.stop_requested:
+                signal.signal(signal.SIGINT, self.previous)
+                raise KeyboardInterrupt
+            self.run.interrupt()
+
+        signal.signal(signal.SIGINT, handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        return False
