@@ -62,8 +62,11 @@ def assert_unreachable_from_host(group, ports: list[int]) -> None:
     for child in group.children:
         assert os.readlink(f"/proc/{child.pid}/ns/net") == group.network.ns_id != ours
         assert netns.interfaces(child.pid) == ["lo"]  # a wildcard bind there reaches lo only
+        assert netns.exposed_sockets(child.pid) == []
     listening = {port for _, port in netns.listening_sockets(group.children[0].pid)}
     assert set(ports) <= listening, (ports, listening)
+    # The same servers in the host network would be exposed: the helper does see them there.
+    assert any(address in ("0.0.0.0", "::") for address, _ in netns.listening_sockets(group.children[0].pid))
     for port in ports:
         for host in [*host_addresses(), "127.0.0.1"]:
             assert connect_error(host, port) == errno.ECONNREFUSED, f"{host}:{port} accepted a connection"
@@ -85,6 +88,14 @@ def test_tensorflow_servers_are_unreachable_from_the_host():
         assert not group.unexpected_exits(), [c.log_tail() for c in group.children]
         assert_unreachable_from_host(group, ports)
         assert not any(group.port_open(p) for p in free_ports(1))  # port_open looks inside, for real
+        if host_addresses():  # and exposed_sockets does flag a wildcard bind in the host network
+            from workbench._src.launch import netns
+
+            with socket.socket() as exposed:
+                exposed.bind(("0.0.0.0", 0))
+                exposed.listen()
+                port = exposed.getsockname()[1]
+                assert ("0.0.0.0", port) in netns.exposed_sockets(os.getpid())
     finally:
         group.stop()
 

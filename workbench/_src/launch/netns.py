@@ -203,6 +203,16 @@ def interfaces(pid: int) -> list[str]:
         return [line.split(":")[0].strip() for line in f.read().splitlines()[2:]]
 
 
+def exposed_sockets(pid: int) -> list[tuple[str, int]]:
+    """The listening sockets of `pid`'s network namespace that another machine could reach: none
+    in a loopback-only namespace; elsewhere those bound to a wildcard or non-loopback address."""
+    import ipaddress
+
+    if interfaces(pid) == ["lo"]:
+        return []
+    return [(a, p) for a, p in listening_sockets(pid) if not ipaddress.ip_address(a).is_loopback]
+
+
 def _address(hex_address: str) -> str:
     import ipaddress
 
