@@ -195,8 +195,10 @@ def test_group_started_inside_the_namespace_shares_it():
         assert found["grandchild_net"] == found["net"] == group.network.ns_id
         assert found["port_open_inside"]  # the grandchild's server, seen from the coordinator
         assert connect_error("127.0.0.1", found["port"]) == errno.ECONNREFUSED  # not from here
+        assert os.path.dirname(found["log_dir"]) == str(group.log_dir)  # nested: removed with ours
     finally:
         group.stop()
+    assert not group.log_dir.exists()
 
 
 # ----- temporary folders -------------------------------------------------------------------------------
@@ -336,6 +338,7 @@ def _probe(args: list[str]) -> None:
             "grandchild_net": os.readlink(f"/proc/{child.pid}/ns/net"),
             "port_open_inside": port_open(port) and group.port_open(port),
             "port": port,
+            "log_dir": str(group.log_dir),
         }
         print(json.dumps(report), flush=True)
         sys.stdin.read()  # serve until the test stops us; the grandchild follows (stdin EOF)

@@ -35,6 +35,7 @@ from workbench._src.launch import netns
 LOOPBACK = "127.0.0.1"
 TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
+LOG_DIR_ENV = "WORKBENCH_LOG_DIR"  # a child's group's log folder: groups it makes nest inside
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
 
@@ -129,7 +130,12 @@ class ProcessGroup:
         self.network = (
             netns.open_network(f"{label} cluster") if private_network else netns.PrivateNetwork(False)
         )
-        self.log_dir = Path(tempfile.mkdtemp(prefix="workbench-cluster-"))
+        # A group made by a child (the async-ps coordinator's servers) keeps its logs inside its
+        # parent group's folder: that child is usually ended by a signal, with no chance to clean
+        # up, and the parent's stop() removes the whole tree.
+        parent_logs = os.environ.get(LOG_DIR_ENV)
+        parent_logs = parent_logs if parent_logs and os.path.isdir(parent_logs) else None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="workbench-cluster-", dir=parent_logs))
         self._stopped = False
         _live_groups.add(self)
         # Stops the processes even if the owner is garbage collected without stop().
@@ -153,6 +159,7 @@ class ProcessGroup:
             **env,
             **self.network.env(),
             TASK_ENV: f"{role}:{index}",
+            LOG_DIR_ENV: str(self.log_dir),
             "PYTHONUNBUFFERED": "1",
         }
         if not self.network.isolated:
