@@ -225,6 +225,35 @@ def test_log_and_channel_folders_are_removed(monkeypatch):
         shutil.rmtree(kept.log_dir, ignore_errors=True)
 
 
+def test_a_killed_launcher_leaves_no_folders_or_processes():
+    """A kernel killed outright runs no clean-up: its children remove its folders as they exit."""
+    import psutil
+
+    script = """
+import json, sys, time
+from workbench._src.launch.channel import Channel
+from workbench._src.launch.processes import ProcessGroup
+group = ProcessGroup("killed launcher")
+channel = Channel(group)
+child = group.start("worker", 0, "test_network_isolation", channel.env(), ["link"])
+channel.messages.get(timeout=30)
+print(json.dumps({"logs": str(group.log_dir), "channel": channel.folder, "child": child.pid}), flush=True)
+time.sleep(600)
+"""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, **PROBE_ENV}, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        made = json.loads(launcher.stdout.readline())
+        child = psutil.Process(made["child"])
+        assert os.path.isdir(made["logs"]) and os.path.isdir(made["channel"])
+    finally:
+        launcher.kill()
+        launcher.wait()
+    child.wait(timeout=10)
+    assert not os.path.exists(made["logs"]) and not os.path.exists(made["channel"])
+
+
 # ----- without root, and where namespaces are refused ---------------------------------------------------
 def test_unprivileged_user_gets_a_user_and_network_namespace():
     """Most users are not root: the user-namespace path, run as `nobody` (needs root to switch)."""
@@ -310,11 +339,13 @@ def _netns_path() -> str:
 # ----- the probe, run inside the namespace -------------------------------------------------------------
 def _probe(args: list[str]) -> None:
     if args[0] == "link":
-        from workbench._src.launch.channel import ParentLink
+        from workbench._src.launch.channel import ParentLink, exit_when_parent_dies
 
+        exit_when_parent_dies()
         link = ParentLink()
         link.send({"type": "net", "net": os.readlink("/proc/self/ns/net")})
         link.recv()
+        os._exit(0)  # as worker_main: the parent-watch thread holds stdin's lock
     elif args[0] == "all-reduce":
         _all_reduce()
     elif args[0] == "netid":

@@ -24,7 +24,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
-from workbench._src.launch.processes import TASK_ENV, ProcessGroup
+from workbench._src.launch.processes import KEEP_LOGS_ENV, LOG_DIR_ENV, TASK_ENV, ProcessGroup
 
 CHANNEL_ENV = "WORKBENCH_CHANNEL"  # path of the parent's Unix socket (or host:port, older form)
 CHANNEL_KEY_ENV = "WORKBENCH_CHANNEL_KEY"  # hex key; in the environment, never on the command line
@@ -147,6 +147,7 @@ class ParentLink:
         key = bytes.fromhex(os.environ.pop(CHANNEL_KEY_ENV))  # not inherited by anything we start
         if address.startswith("/"):
             self.conn = Client(address, family="AF_UNIX", authkey=key)
+            _left_behind_by_parent.append(os.path.dirname(address))  # ours to remove if it dies
         else:  # host:port, from a launcher that listens on TCP
             host, port = address.rsplit(":", 1)
             self.conn = Client((host, int(port)), authkey=key)
@@ -172,13 +173,31 @@ class ParentLink:
         threading.Thread(target=beat, name="workbench heartbeat", daemon=True).start()
 
 
+_left_behind_by_parent: list[str] = []  # the parent's folders, removed here if it dies first
+
+
 def exit_when_parent_dies() -> None:
-    """Child side: a thread that ends this process when stdin (the parent's pipe) reaches EOF."""
+    """Child side: a thread that ends this process when stdin (the parent's pipe) reaches EOF.
+
+    A parent that dies (a killed kernel, a launcher ended by a signal) runs no clean-up: its
+    children remove what it left, the group's log folder and the channel's socket folder.
+    """
 
     def watch():
         with contextlib.suppress(Exception):
             while sys.stdin.buffer.read(1):
                 pass
+        _remove_parent_folders()
         os._exit(4)
 
     threading.Thread(target=watch, name="workbench parent watch", daemon=True).start()
+
+
+def _remove_parent_folders() -> None:
+    folders = list(_left_behind_by_parent)
+    if os.environ.get(KEEP_LOGS_ENV) != "1" and os.environ.get(LOG_DIR_ENV):
+        folders.append(os.environ[LOG_DIR_ENV])
+    for folder in folders:
+        # Only folders the workbench made: the variables could be stale or set by hand.
+        if os.path.basename(folder).startswith(("workbench-cluster-", "workbench-channel-")):
+            shutil.rmtree(folder, ignore_errors=True)
