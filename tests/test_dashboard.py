@@ -38,16 +38,16 @@ def synthetic_run(sinks, steps=600, seconds=2.5, rows_per_event=5):
     config = {"backend": "mirrored", "num_replicas": 2, "steps": steps}
     for s in sinks:
         s.send(event("started", config=config, first_step=1))
-    step, t0 = 0, time.perf_counter()
+    step, t0, per_step = 0, time.perf_counter(), seconds / steps
     while step < steps:
         rows = []
         for _ in range(rows_per_event):
             step += 1
             rows.append(
-                {
+                {  # as the loop writes them: a chunk's steps evenly spaced over its time
                     "step": step,
-                    "wall_time": time.perf_counter() - t0,
-                    "examples_per_sec": 1000.0 + step,
+                    "wall_time": step * per_step,
+                    "examples_per_sec": 128 / per_step,
                     "loss": 10 / step,
                     "acc": step / steps,
                 }
@@ -157,8 +157,11 @@ def test_console_frontend_outside_a_kernel(capsys):
     dash = Dashboard(frontend="console")
     synthetic_run([dash], steps=100, seconds=0.6)
     err = capsys.readouterr()
-    assert "100/100" in err.err and "<" in err.err  # tqdm: elapsed<remaining (the ETA)
-    assert "mirrored x 2 \u00b7 finished" in err.out
+    # The bar shows the run's own figures (as the sidebar and summary do), not tqdm's rate.
+    assert "100/100" in err.err and "steps/s=" in err.err and "ETA=" in err.err and "it/s" not in err.err
+    assert "mirrored x 2 \u00b7 finished \u00b7 step 100/100 \u00b7" in err.out
+    # 100 steps in 0.6 s: 167 steps/s, 128 examples each.
+    assert " 167 steps/s \u00b7 21,333 examples/s" in err.out, err.out
     assert dash.widget is None and dash.png.startswith(PNG_MAGIC)
 
 
@@ -176,3 +179,25 @@ def test_failed_run_shows_the_reason():
 def test_bad_frontend(frontend):
     with pytest.raises(ValueError, match="frontend must be 'auto', 'widgets' or 'console'; received 'bogus'"):
         Dashboard(frontend=frontend)
+
+
+def test_stop_reason_is_not_repeated_and_steps_count_from_the_run_start():
+    """A second run of a program starts at its step 501: the dashboard says step 1..N, and
+    'stopped at step 540' adds nothing to 'stopped · step 40'."""
+    dash = Dashboard(frontend="widgets", display=False)
+    dash.send(event("started", config={"backend": "single", "num_replicas": 1, "steps": 100}, first_step=501))
+    rows = [
+        {"step": 500 + i, "wall_time": i * 0.01, "examples_per_sec": 6400.0, "loss": 1.0}
+        for i in range(1, 41)
+    ]
+    dash.send(event("metrics", 540, rows=rows))
+    dash.send(event("ended", 540, status="stopped", reason="stopped at step 540"))
+    header = dash._header.value
+    assert "stopped \u00b7 step 40/100 \u00b7 100 steps/s \u00b7 6,400 examples/s" in header, header
+    assert "at step 540" not in header and header.count("stopped") == 1, header
+
+
+def test_stop_button_and_image_before_the_first_plot():
+    dash = Dashboard(frontend="widgets", display=False)
+    assert dash._image.layout.display == "none"  # no broken-image icon before a figure exists
+    assert dash._stop_button.layout.min_width == dash._stop_button.layout.width == "96px"

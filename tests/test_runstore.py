@@ -158,3 +158,37 @@ def test_history_is_flushed_while_running(runs_dir, toy, monkeypatch):
         assert json.loads((folder / "config.json").read_text())["status"] == "running"
     finally:
         run.stop().wait(30)
+
+
+def test_one_truth_summary_run_store_and_runs_table_agree(runs_dir, toy):
+    """steps/s and examples/s: one definition (workbench/_src/figures.py) wherever shown."""
+    from workbench._src.figures import fmt
+
+    a = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=60, steps_per_execution=20)
+    b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=40, steps_per_execution=20)
+    summary = b.summary()
+    # The second run of the same program counts its own steps (not the program's 61..100).
+    assert summary["steps"] == 40 and b.history["step"].iloc[0] == 61
+    assert summary["steps_per_sec"] > 0 and summary["examples_per_sec"] > 0
+    # examples/s is steps/s times the batch (the toy's global batch: 16 examples a step).
+    assert summary["examples_per_sec"] == pytest.approx(summary["steps_per_sec"] * 16, rel=2e-3)
+    record = json.loads((runs_dir / b.id / "config.json").read_text())["summary"]
+    table = wb.runs().set_index("id")
+    for key in ("steps_per_sec", "examples_per_sec", "median_examples_per_sec"):
+        assert record[key] == summary[key], (key, record[key], summary[key])
+    for key in ("steps_per_sec", "examples_per_sec"):
+        assert table.loc[b.id, key] == summary[key]
+    html = b._repr_html_()
+    assert f"<td data-key='steps_per_sec'>{fmt(summary['steps_per_sec'])}</td>" in html
+
+    fig, rows = wb.compare_runs([a.id, b])
+    assert rows["id"].tolist() == [a.id, b.id] and rows["steps"].tolist() == [60, 40]
+    assert rows.loc[1, "steps_per_sec"] == summary["steps_per_sec"] and "loss" in rows
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "examples/s per step (smoothed)"]
+    assert len(fig.axes[0].get_lines()) == 4  # raw and smoothed loss of each run
+    assert wb.compare_runs([-2, -1]).png().startswith(b"\x89PNG")
+    with pytest.raises(wb.ConfigurationError, match=r"compare_runs needs two or more runs; received 1"):
+        wb.compare_runs([a.id])
+
+    assert wb.delete_runs([a.id]) == [a.id] and wb.runs()["id"].tolist() == [b.id]
+    assert not (runs_dir / a.id).exists()

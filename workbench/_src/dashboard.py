@@ -20,9 +20,12 @@ from collections.abc import Callable
 from typing import Literal
 
 from workbench._src import figure
+from workbench._src.figures import figures, fmt, fmt_duration, shown_reason
 from workbench._src.run import Event
 
 Frontend = Literal["auto", "widgets", "console"]
+# tqdm without its own rate and ETA (the postfix carries the run's figures instead).
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
 
 def detect_frontend() -> str:
@@ -155,8 +158,9 @@ class Dashboard:
 
     @property
     def target(self) -> int | None:
+        """Steps the run was asked for (steps count from the run's own start everywhere)."""
         steps = self.config.get("steps")
-        return self.first_step - 1 + int(steps) if steps is not None else None
+        return int(steps) if steps is not None else None
 
     # ----- the renderer thread -------------------------------------------------------------
     def _start_thread(self) -> None:
@@ -190,7 +194,8 @@ class Dashboard:
             return
         columns = self.history.snapshot()
         summary = figure.summarize(columns)
-        self._update_bar(summary, figure.metric_names(columns), final)
+        running = not final and self.status == "running"
+        self._update_bar(summary, figures(columns, running, self.target), figure.metric_names(columns), final)
         now = time.monotonic()
         title = figure.title_for(self.config, self.status, columns, self.name, self.target)
         if final:
@@ -200,6 +205,7 @@ class Dashboard:
             t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
             self.png = figure.render(columns, title)
             self._image.value = self.png
+            self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
             cost = time.thread_time() - t0
             self.renders += 1
             self.render_seconds += cost
@@ -209,16 +215,21 @@ class Dashboard:
             # Draw again only when this drawing is under render_budget of the time between.
             self._next_plot = now + max(self.period, cost / self.render_budget)
         if self.frontend == "widgets":
-            self._header.value = _status_html(title, self.message, (self._ended or {}).get("reason"))
+            reason = shown_reason(self.status, (self._ended or {}).get("reason"))
+            self._header.value = _status_html(title, self.message, reason)
 
-    def _update_bar(self, summary: dict, metrics: list[str], final: bool) -> None:
+    def _update_bar(self, summary: dict, fig: dict, metrics: list[str], final: bool) -> None:
         if not self._progress:
             return
         if self._bar is None and self.frontend == "console" and self.target is not None:
             from tqdm.std import tqdm
 
             self._bar = tqdm(
-                total=self.config.get("steps"), desc=self.name or "training", unit="step", file=sys.stderr
+                total=self.config.get("steps"),
+                desc=self.name or "training",
+                unit="step",
+                file=sys.stderr,
+                bar_format=BAR_FORMAT,
             )
         if self._bar is None:
             return
@@ -228,9 +239,14 @@ class Dashboard:
             and self.target is not None
         ):
             self._bar.reset(total=self.config.get("steps"))
-        done = summary.get("last_step", self.first_step - 1) - (self.first_step - 1)
+        done = summary.get("steps", 0)  # counted from the run's start, as every view counts them
         if done > self._bar.n:
+            # The run's figures (workbench._src.figures), not tqdm's own rate and ETA: the bar
+            # then says what the sidebar, the status bar and the summary say.
             postfix = {k: f"{summary[k]:.4g}" for k in metrics[:2]}
+            postfix["steps/s"] = fmt(fig["steps_per_sec"])
+            if self.target is not None and not final:
+                postfix["ETA"] = fmt_duration(fig["eta_seconds"])
             self._bar.set_postfix(postfix, refresh=False)
             if not self._bar_clock_started:
                 # The first chunk includes compiling: start tqdm's clock after it, so that the
@@ -245,7 +261,7 @@ class Dashboard:
             self._bar.close()
 
     def _show_final(self, summary: dict, title: str) -> None:
-        reason = (self._ended or {}).get("reason")
+        reason = shown_reason(self.status, (self._ended or {}).get("reason"))
         text = title + (f" ({reason})" if reason else "")
         if self.frontend == "console":
             from workbench._src import runstore
@@ -254,6 +270,7 @@ class Dashboard:
             print(text + (f"; figure: {where}/{runstore.FIGURE}" if where else ""), flush=True)
             return
         self._image.value = self.png
+        self._image.layout.display = ""
         self._stop_button.layout.display = "none"
         if self._handle is not None:
             bundle = {"image/png": base64.b64encode(self.png).decode("ascii"), "text/plain": text}
@@ -269,18 +286,20 @@ class Dashboard:
         import ipywidgets as w
 
         self._header = w.HTML(_status_html("waiting for the run to start", None, None))
-        self._image = w.Image(format="png", layout=w.Layout(max_width="100%"))
+        # Hidden until the first figure: an empty Image shows the browser's broken-image icon.
+        self._image = w.Image(format="png", layout=w.Layout(max_width="100%", display="none"))
         self._stop_button = w.Button(
             description="Stop",
             icon="stop",
             button_style="danger",
-            layout=w.Layout(width="auto", display="none"),
+            # A fixed width that does not shrink: beside the progress bar "auto" became "S...".
+            layout=w.Layout(width="96px", min_width="96px", flex="0 0 auto", display="none"),
         )
         row = [self._stop_button]
         if self._progress:
             from tqdm.notebook import tqdm
 
-            self._bar = tqdm(total=None, unit="step", display=False)
+            self._bar = tqdm(total=None, unit="step", display=False, bar_format=BAR_FORMAT)
             row.insert(0, self._bar.container)
         self.widget = w.VBox([self._header, w.HBox(row), self._image])
 

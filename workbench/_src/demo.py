@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import time
+from workbench._src.figures import describe, fmt
 
 
 def demo(
@@ -47,21 +47,22 @@ def demo(
         correct = t.cast(t.equal(t.argmax(logits, -1, output_type=t.int32), labels), t.float32)
         return {"loss": loss, "accuracy": t.reduce_mean(correct)}
 
-    started = time.perf_counter()
     run = repl.train(step_fn, input_fn, steps=steps)
-    elapsed = time.perf_counter() - started
     test_accuracy = float(np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test))
-    summary = run.summary()
+    summary = run.summary()  # the run's figures, as the dashboard and the sidebar show them
     devices = wb.device_summary()
-    steady = run.history["examples_per_sec"].dropna()
     print("Replicator Workbench demo: MLP on scikit-learn digits")
     print(
         f"  devices        : {len(devices['gpus'])} GPU, {devices['virtual_cpus']} virtual CPU on {devices['physical_cores']} physical cores"
     )
     print(f"  backend        : {repl.backend}, {repl.num_replicas} replicas, global batch {global_batch}")
-    print(f"  steps          : {run.steps} in {elapsed:.1f} s (compile {run.compile_seconds:.1f} s)")
     print(
-        f"  throughput     : {steady.median() / global_batch:.0f} steps/s, {steady.median():.0f} examples/s"
+        f"  steps          : {run.steps} in {fmt(summary.get('wall_time_s'))} s "
+        f"(of which compiling {fmt(run.compile_seconds)} s)"
+    )
+    print(f"  throughput     : {describe(summary)} (whole run, after compiling)")
+    print(
+        f"  median step    : {fmt(summary.get('median_examples_per_sec'))} examples/s (compiled calls only)"
     )
     print(f"  final loss     : {summary['loss']:.4f}   train accuracy {summary['accuracy']:.3f}")
     print(f"  test accuracy  : {test_accuracy:.3f} ({len(y_test)} held-out digits)")
@@ -77,13 +78,18 @@ def _plot(run, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     h = run.history
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].plot(h["step"], h["loss"], lw=1)
+    plt.rcParams.update({"font.size": 12})
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    step = range(1, len(h) + 1)  # counted from the run's start
+    axes[0].plot(step, h["loss"], lw=1)
     axes[0].set(title="loss", xlabel="step", yscale="log")
-    axes[1].plot(h["step"], h["accuracy"].rolling(20, min_periods=1).mean(), lw=1)
+    axes[1].plot(step, h["accuracy"].rolling(20, min_periods=1).mean(), lw=1)
     axes[1].set(title="train accuracy (20-step mean)", xlabel="step", ylim=(0, 1.02))
-    axes[2].plot(h["step"], h["examples_per_sec"], lw=1)
-    axes[2].set(title="throughput", xlabel="step", ylabel="examples/s")
+    axes[2].plot(step, h["examples_per_sec"], lw=1)
+    median = run.summary().get("median_examples_per_sec")
+    if median:
+        axes[2].axhline(median, ls="--", color="0.4", lw=1)
+    axes[2].set(title=f"examples/s per step (median {fmt(median)}, dashed)", xlabel="step")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

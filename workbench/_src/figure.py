@@ -12,6 +12,8 @@ import io
 import math
 import threading
 
+from workbench._src.figures import describe, figures, last_metrics
+
 RESERVED = ("step", "wall_time", "examples_per_sec")
 MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
 MAX_METRIC_PANELS = 5
@@ -58,30 +60,33 @@ def metric_names(columns: dict) -> list[str]:
     return sorted(names, key=lambda n: 0 if n == "loss" else 1 if "loss" in n else 2)
 
 
-def summarize(columns: dict) -> dict:
-    """Steps, wall time, median throughput (timed chunks) and each metric's last value."""
-    steps = columns.get("step", [])
-    out: dict = {"steps_recorded": len(steps)}
-    if not steps:
+def summarize(columns: dict, running: bool = False, target_steps: int | None = None) -> dict:
+    """Steps (counted from the run's start), wall time, the run's figures (workbench._src.figures:
+    steps/s and examples/s over the last window while running, the whole run once ended; the
+    median per-step examples/s) and each metric's last value."""
+    fig = figures(columns, running=running, target_steps=target_steps)
+    out: dict = {"steps": fig["steps"], "steps_recorded": fig["steps"]}  # steps_recorded: older readers
+    if not fig["steps"]:
         return out
-    out["last_step"] = int(steps[-1])
-    out["wall_time_s"] = round(float(columns["wall_time"][-1]), 3)
-    timed = sorted(float(v) for v in columns.get("examples_per_sec", []) if math.isfinite(float(v)))
-    if timed:
-        out["examples_per_sec"] = round(timed[len(timed) // 2], 1)
-    for name in metric_names(columns):
-        out[name] = float(columns[name][-1])
+    out["last_step"] = int(columns["step"][-1])  # the program's own step number (absolute)
+    for key in ("wall_time_s", "steps_per_sec", "examples_per_sec", "median_examples_per_sec"):
+        if fig[key] is not None:
+            out[key] = fig[key]
+    out.update(last_metrics(columns))
     return out
 
 
 def title_for(config: dict, status: str, columns: dict, name: str = "", target: int | None = None) -> str:
-    """'run 3 · mirrored x 4 · finished · step 300/300 · 7,079 examples/s'."""
-    summary = summarize(columns)
+    """'run 3 · mirrored x 4 · finished · step 300/300 · 812 steps/s · 103,936 examples/s'.
+
+    Steps count from the run's start; `target` is the steps the run was asked for.
+    """
+    fig = figures(columns, running=status == "running", target_steps=target)
     parts = [name or "run", f"{config.get('backend', '?')} x {config.get('num_replicas', '?')}", status]
-    if "last_step" in summary:
-        parts.append(f"step {summary['last_step']}" + (f"/{target}" if target else ""))
-    if "examples_per_sec" in summary:
-        parts.append(f"{summary['examples_per_sec']:,.0f} examples/s")
+    if fig["steps"]:
+        parts.append(f"step {fig['steps']:,}" + (f"/{target:,}" if target else ""))
+    if fig["steps_per_sec"] is not None:
+        parts.append(describe(fig))
     return " \u00b7 ".join(parts)
 
 
@@ -120,23 +125,24 @@ class Plotter:
         self._lines = {}
         for i, panel in enumerate(panels):
             ax = fig.add_subplot(rows, cols, i + 1)
-            ax.set_title(panel, fontsize=10)
-            ax.tick_params(labelsize=8)
+            ax.set_title(panel, fontsize=12)
+            ax.tick_params(labelsize=10)
             ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
             ax.yaxis.set_major_locator(MaxNLocator(5))
             ax.grid(alpha=0.3)
-            ax.set_xlabel("step", fontsize=8, labelpad=1)
+            ax.set_xlabel("step", fontsize=10, labelpad=1)
             raw = ax.plot([], [], lw=0.8, alpha=0.35, color=f"C{i}")[0]
             smooth = ax.plot([], [], lw=1.6, color=f"C{i}")[0]
             extra = ax.axhline(math.nan, ls="--", lw=1, color="0.4") if panel == "examples/s" else None
             self._lines[panel] = (ax, raw, smooth, extra)
-        self._title = fig.suptitle("", fontsize=10)
+        self._title = fig.suptitle("", fontsize=12)
         self._figure, self._layout = fig, tuple(names)
 
     def _update(self, columns: dict, names: list[str], title: str) -> None:
         import numpy as np
 
         steps = np.asarray(columns.get("step", []), dtype=float)
+        steps = steps - steps[0] + 1 if steps.size else steps  # counted from the run's start
         for panel, (ax, raw, smooth, extra) in self._lines.items():
             key = "examples_per_sec" if panel == "examples/s" else panel
             y = np.asarray(columns.get(key, []), dtype=float)
@@ -154,13 +160,13 @@ class Plotter:
                     # Few ticks and no minor ones: tick objects are most of a redraw's cost.
                     ax.yaxis.set_major_locator(LogLocator(numticks=5) if log else MaxNLocator(5))
                     ax.yaxis.set_minor_locator(NullLocator())
-                ax.set_title(f"{panel} (log scale)" if log else panel, fontsize=10)
+                ax.set_title(f"{panel} (log scale)" if log else panel, fontsize=12)
             else:
                 finite = y[np.isfinite(y)]
                 median = float(np.median(finite)) if finite.size else math.nan
                 extra.set_ydata([median, median])
                 ax.set_title(
-                    f"examples/s (median {median:,.0f})" if finite.size else "examples/s", fontsize=10
+                    f"examples/s (median {median:,.0f}, dashed)" if finite.size else "examples/s", fontsize=11
                 )
             ax.relim()
             ax.autoscale_view()

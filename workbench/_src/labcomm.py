@@ -8,8 +8,17 @@ throughput) and pushes it to every open comm of target TARGET as one "snapshot" 
                        "runs": [run, ...] (newest first)}
                       {"type": "figure", "run_id", "name", "png": base64}     (reply to "figure")
                       {"type": "error", "text"}
+                      {"type": "runs", "rows": [...]}   (reply to "runs": the run store, wb.runs())
+                      {"type": "compare", "run_ids", "png": base64, "rows": [...]}   (wb.compare_runs)
+                      {"type": "export", "run_id", "filename", "mime", "data": base64}
   frontend -> kernel  {"type": "hello"} (the comm_open), {"type": "refresh"},
-                      {"type": "stop", "run_id": id | None}, {"type": "figure", "run_id": id | None}
+                      {"type": "stop", "run_id": id | None}, {"type": "figure", "run_id": id | None},
+                      {"type": "runs"}, {"type": "compare", "run_ids": [...]},
+                      {"type": "delete", "run_ids": [...]} (answered with "runs"),
+                      {"type": "export", "run_id": id, "what": "csv" | "figure"}
+
+Every figure a run shows (steps, steps/s, examples/s, ETA) comes from workbench._src.figures,
+as in wb.Run.summary(), the dashboard and the run store.
 
 Nothing polls: a run's sink pushes when something changes, at most 1/MIN_INTERVAL times a second
 per run (started and ended always go out). A frontend message reaches the kernel only when its
@@ -32,10 +41,12 @@ import threading
 import time
 from collections import OrderedDict
 
+from workbench._src.figures import RESERVED, figures, shown_reason
+
 TARGET = "workbench.lab"
 PROTOCOL = 1
 MIN_INTERVAL = 0.25  # s between pushes for one run: <= 4 a second, whatever the training speed
-MAX_RUNS = 10  # recent runs shown (this kernel's, newest first)
+MAX_RUNS = 24  # recent runs shown (this kernel's, newest first; a scaling study makes two per configuration)
 MAX_COMMS = 8  # comms of reloaded pages are never closed; keep the newest few
 
 _lock = threading.RLock()
@@ -134,6 +145,8 @@ def _on_msg(comm, msg) -> None:
             comm.send({"type": "error", "text": "No run of this kernel is running: nothing to stop."})
     elif kind == "figure":
         comm.send(_figure(data.get("run_id")))
+    elif kind in ("runs", "compare", "delete", "export"):
+        comm.send(_store_request(kind, data))
     elif kind in ("refresh", "hello"):
         comm.send(snapshot())
     else:
@@ -174,6 +187,69 @@ def _figure(run_id: str | None) -> dict:
     }
 
 
+def _store_request(kind: str, data: dict) -> dict:
+    """The runs table's requests, answered from the run store (every recorded run, any kernel)."""
+    from workbench._src import compare, runhistory
+
+    try:
+        if kind == "delete":
+            runhistory.delete_runs(list(data.get("run_ids") or []))
+            kind = "runs"
+        if kind == "runs":
+            return {"type": "runs", "rows": _runs_rows()}
+        if kind == "compare":
+            ids = list(data.get("run_ids") or [])
+            result = compare.compare_runs(ids)
+            png = base64.b64encode(result.png()).decode("ascii")
+            return {"type": "compare", "run_ids": ids, "png": png, "rows": compare.table_rows(result.table)}
+        return _export(str(data.get("run_id")), str(data.get("what", "csv")))
+    except Exception as e:  # noqa: BLE001 - told to the user as a notification, not a traceback
+        return {"type": "error", "text": f"workbench: {kind} failed: {e}"}
+
+
+def _runs_rows() -> list[dict]:
+    from workbench._src import compare, runhistory
+
+    table = runhistory.runs()
+    keep = [
+        "id", "name", "status", "backend", "num_replicas", "steps", "steps_asked", "duration_s",
+        "steps_per_sec", "examples_per_sec", "loss",
+    ]  # fmt: skip
+    table = table[[c for c in keep if c in table.columns]]
+    rows = compare.table_rows(table)
+    for row in rows:
+        row["group"] = study_group(row.get("name") or "")[0]
+    return rows
+
+
+def _export(run_id: str, what: str) -> dict:
+    from workbench._src import runhistory, runstore
+
+    rec = runhistory.load_run(run_id)
+    if what == "figure":
+        if rec.figure_path is None:
+            raise FileNotFoundError(f"run {run_id} has no figure yet (it is written when the run ends)")
+        data, mime, name = rec.figure_path.read_bytes(), "image/png", runstore.FIGURE
+    else:
+        data, mime, name = rec.history.to_csv(index=False).encode(), "text/csv", runstore.HISTORY
+    return {
+        "type": "export",
+        "run_id": rec.id,
+        "filename": f"{rec.id}-{name}",
+        "mime": mime,
+        "data": base64.b64encode(data).decode("ascii"),
+    }
+
+
+def study_group(name: str) -> tuple[str | None, bool]:
+    """('scaling weak', is_warmup) for a scaling study's runs ('scaling weak n=2 warm-up'), else
+    (None, False): the sidebar shows a study as one group, one line per configuration."""
+    import re
+
+    match = re.fullmatch(r"(scaling \w+) n=\d+( warm-up)?", name)
+    return (match.group(1), bool(match.group(2))) if match else (None, False)
+
+
 # ----- the session and the runs ------------------------------------------------------------
 def _on_session_change(repl, choice) -> None:
     _describe_session()
@@ -211,7 +287,7 @@ def _watch(run) -> _RunWatcher:
 
 
 class _RunWatcher:
-    """A run's sink: keeps its latest step, metrics and throughput; pushes rate-limited."""
+    """A run's sink: keeps its step, metrics and figures (workbench._src.figures); pushes rate-limited."""
 
     def __init__(self, run):
         self.run = run  # dropped at the end: a finished run's history is not kept alive here
@@ -220,20 +296,24 @@ class _RunWatcher:
         self.backend = config.get("backend")
         self.num_replicas = config.get("num_replicas")
         self.num_workers = config.get("num_workers")
-        self.target = config.get("steps")
+        self.target = config.get("steps")  # steps asked for, counted from the run's start
+        self.group, self.warmup = study_group(run.name)
         self.status = "created"
         self.reason: str | None = None
         self.foreground = True
         self.stop_requested = False
         self.first_step: int | None = None
-        self.step = 0
         self.metrics: dict[str, float | None] = {}
-        self.examples_per_sec: float | None = None
-        self.steps_per_sec: float | None = None
+        self._wall: list[float] = []  # the two columns the figures need (not the whole history)
+        self._eps: list[float] = []
+        self.figures: dict = figures({}, running=True)
         self.started: float | None = None
         self.ended: float | None = None
-        self._mark: tuple[int, float] | None = None  # (step, wall_time) at the last rate update
         self._last_push = 0.0
+
+    @property
+    def step(self) -> int:
+        return len(self._wall)
 
     @property
     def running(self) -> bool:
@@ -252,46 +332,38 @@ class _RunWatcher:
             self.foreground = threading.current_thread() is threading.main_thread()
             self.status, self.started = "running", event.time
             self.first_step = event.data.get("first_step", 1)
-            if self.target is not None:
-                self.target = self.first_step - 1 + self.target
             self._send_now()
         elif event.kind == "metrics":
             self._update(event.data["rows"])
             if time.monotonic() - self._last_push >= MIN_INTERVAL:
+                self._refigure()
                 self._send_now()
         elif event.kind == "ended":
             self.status, self.reason = event.data.get("status"), event.data.get("reason")
             self.ended = event.time
             self.run = None
+            self._refigure()  # over the whole run now, as the summary and the run store
             self._send_now()
 
     def _update(self, rows: list[dict]) -> None:
         if not rows:
             return
+        for row in rows:
+            self._wall.append(float(row["wall_time"]))
+            self._eps.append(float(row.get("examples_per_sec", math.nan)))
         last = rows[-1]
-        self.step = int(last["step"])
-        self.metrics = {
-            k: _finite(v) for k, v in last.items() if k not in ("step", "wall_time", "examples_per_sec")
-        }
-        eps = _finite(last.get("examples_per_sec"))
-        if eps is None:  # the first chunk (it traced and compiled): no rate yet
-            self._mark = (self.step, float(last["wall_time"]))
-            return
-        self.examples_per_sec = eps
-        if self._mark is not None:
-            steps, seconds = self.step - self._mark[0], float(last["wall_time"]) - self._mark[1]
-            if steps > 0 and seconds > 0 and time.monotonic() - self._last_push >= MIN_INTERVAL:
-                # averaged over everything since the last update: steadier than one chunk
-                self.steps_per_sec = steps / seconds
-                self._mark = (self.step, float(last["wall_time"]))
-        else:
-            self._mark = (self.step, float(last["wall_time"]))
+        self.metrics = {k: _finite(v) for k, v in last.items() if k not in RESERVED}
+
+    def _refigure(self) -> None:
+        columns = {"wall_time": self._wall, "examples_per_sec": self._eps}
+        self.figures = figures(columns, running=self.running, target_steps=self.target)
 
     def _send_now(self) -> None:
         self._last_push = time.monotonic()
         _push()
 
     def info(self) -> dict:
+        fig = self.figures
         return {
             "id": self.run_id,
             "name": self.name,
@@ -299,16 +371,20 @@ class _RunWatcher:
             "num_replicas": self.num_replicas,
             "num_workers": self.num_workers,
             "status": self.status,
-            "reason": self.reason,
+            "reason": shown_reason(self.status, self.reason),
             "foreground": self.foreground,
             "stop_requested": self.stop_requested,
             "first_step": self.first_step,
-            "step": self.step,
+            "step": fig["steps"],
             "target_step": self.target,
             "loss": self.metrics.get("loss"),
             "metrics": dict(self.metrics),
-            "examples_per_sec": self.examples_per_sec,
-            "steps_per_sec": self.steps_per_sec,
+            "examples_per_sec": fig["examples_per_sec"],
+            "steps_per_sec": fig["steps_per_sec"],
+            "median_examples_per_sec": fig["median_examples_per_sec"],
+            "eta_seconds": fig["eta_seconds"],
+            "group": self.group,
+            "warmup": self.warmup,
             "started": self.started,
             "ended": self.ended,
         }

@@ -48,6 +48,34 @@ class RunRecord:
         return f"<b>{html.escape(self.name)}</b> ({html.escape(self.id)}, {html.escape(self.status)})<table>{rows}</table>{img}"
 
 
+_NOT_METRICS = ("steps", "steps_recorded", "last_step", "wall_time_s", "steps_per_sec", "examples_per_sec")
+
+
+def delete_runs(run_ids, directory: str | os.PathLike | None = None) -> list[str]:
+    """Deletes recorded runs (their folders) from the runs directory; returns the ids deleted.
+
+    A run still training is refused (stop it first). Example:
+      >>> import workbench as wb
+      >>> wb.delete_runs(wb.runs().query("status == 'failed'")["id"])   # doctest: +SKIP
+    """
+    import shutil
+
+    if isinstance(run_ids, str):
+        run_ids = [run_ids]
+    base = Path(directory) if directory is not None else runs_dir()
+    folders = [_find(base, getattr(r, "id", r), any_base=directory is None) for r in run_ids]
+    running = [f.name for f in folders if (_read_record(f) or {}).get("status") in ("running", "created")]
+    if running:
+        raise ConfigurationError(
+            f"delete_runs: {', '.join(running)} still running; received {list(run_ids)!r}. "
+            "Fix: stop it first (run.stop() or the sidebar's Stop), then delete."
+        )
+    for folder in folders:
+        shutil.rmtree(folder)
+        _recorded.pop(folder.name, None)
+    return [f.name for f in folders]
+
+
 def _read_record(folder: Path) -> dict | None:
     try:
         record = json.loads((folder / CONFIG).read_text())
@@ -92,19 +120,14 @@ def runs(directory: str | os.PathLike | None = None):
             "status": record.get("status"),
             "backend": config.get("backend"),
             "num_replicas": config.get("num_replicas"),
-            "steps": summary.get("steps_recorded"),
+            "steps": summary.get("steps", summary.get("steps_recorded")),
             "steps_asked": config.get("steps"),
             "started": pd.Timestamp(started, unit="s") if started else pd.NaT,
             "duration_s": round(ended - started, 3) if started and ended else None,
+            "steps_per_sec": summary.get("steps_per_sec"),
             "examples_per_sec": summary.get("examples_per_sec"),
         }
-        row.update(
-            {
-                k: v
-                for k, v in summary.items()
-                if k not in ("steps_recorded", "last_step", "wall_time_s", "examples_per_sec")
-            }
-        )
+        row.update({k: v for k, v in summary.items() if k not in _NOT_METRICS})
         row.update(stop_reason=record.get("stop_reason"), path=str(folder))
         rows.append(row)
     columns = [
@@ -117,6 +140,7 @@ def runs(directory: str | os.PathLike | None = None):
         "steps_asked",
         "started",
         "duration_s",
+        "steps_per_sec",
         "examples_per_sec",
     ]
     frame = pd.DataFrame(rows, columns=None if rows else columns)

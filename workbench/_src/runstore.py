@@ -143,11 +143,7 @@ class Recorder:
         self._write_history(columns)
         self._write_record()  # the essentials are safe before the slower parts below
         config = self.record.get("config", {})
-        steps = config.get("steps")
-        first = columns["step"][0] if columns.get("step") else 1
-        title = figure.title_for(
-            config, self.record["status"], columns, self.name, first - 1 + steps if steps else None
-        )
+        title = figure.title_for(config, self.record["status"], columns, self.name, config.get("steps"))
         for what, write in (
             ("figure", lambda: self._write_figure(columns, title)),
             ("tensorboard", lambda: _write_tensorboard(self.path / TENSORBOARD, columns)),
@@ -218,6 +214,7 @@ def _write_tensorboard(path: Path, columns: dict) -> None:
     t = tf()
     names = figure.metric_names(columns) + ["examples_per_sec"]
     steps = np.asarray(columns["step"], dtype=np.int64)
+    steps = steps - steps[0] + 1  # counted from the run's start, as every view counts them
     values = np.stack([np.asarray(columns[n], dtype=np.float32) for n in names], axis=1)
     finite = np.isfinite(values)
     metadata = _scalar_metadata()

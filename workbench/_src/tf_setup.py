@@ -7,12 +7,17 @@ workbench entry point imports TensorFlow through `tf()` here, which applies the 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import sys
+import tempfile
 import threading
 
 from workbench._src.errors import DeviceError
 
 DEFAULT_VIRTUAL_CPUS = 8
+TF_LOGS_ENV = "WORKBENCH_TF_LOGS"  # =1: show TensorFlow's start-up logs (CUDA probe, oneDNN, absl)
 
 _lock = threading.Lock()
 _requested_cpus: int | None = None  # set by configure_devices before TensorFlow starts
@@ -27,12 +32,27 @@ def tf():
     return _import_tensorflow()
 
 
+def tf_logs_wanted() -> bool:
+    """WORKBENCH_TF_LOGS=1: the user wants TensorFlow's own start-up logs (nothing is hidden)."""
+    return os.environ.get(TF_LOGS_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def _import_tensorflow():
     global _module
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep CUDA-probe noise out of notebooks
+    if tf_logs_wanted():
+        import tensorflow
+
+        _apply_layout(tensorflow)
+        _module = tensorflow
+        return tensorflow
+    # Before TensorFlow is imported, or it has no effect; a value the user set is kept.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import logging
 
-    import tensorflow
+    with _start_up_noise_hidden():
+        import tensorflow
+
+        _apply_layout(tensorflow)  # lists the GPUs: where CUDA's probe logs its errors
 
     # tf.distribute logs its device lists and reduction plans at INFO on the "tensorflow"
     # logger; in a notebook that lands under every cell. Keep warnings; a user who wants the
@@ -40,9 +60,46 @@ def _import_tensorflow():
     tf_logger = logging.getLogger("tensorflow")
     if tf_logger.level in (logging.NOTSET, logging.INFO, logging.DEBUG):
         tf_logger.setLevel(logging.WARNING)
-    _apply_layout(tensorflow)
     _module = tensorflow
     return tensorflow
+
+
+# What TensorFlow's C++ side prints on every start of a CPU-only machine, before its log level
+# applies (absl logs to stderr until initialised: the banner comes once per TensorFlow library).
+_NOISE = re.compile(
+    r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|^[IWE]\d{4} [\d:.]+\s+\d+ (port\.cc|cudart_stub\.cc|cuda_platform\.cc|cuda_executor\.cc"
+    r"|cuda_diagnostics\.cc|cuda_dnn\.cc|cuda_fft\.cc|cuda_blas\.cc|gpu_device\.cc|cpu_feature_guard\.cc)"
+    r":\d+\]"
+    r"|^To enable the following instructions: .* in other operations, rebuild TensorFlow"
+    r"|^This TensorFlow binary is optimized to use available CPU instructions"
+)
+
+
+@contextlib.contextmanager
+def _start_up_noise_hidden():
+    """Holds back what TensorFlow writes to file descriptor 2 while it starts, then passes on
+    every line but the known start-up noise (the absl banner, oneDNN and CUDA probe lines,
+    `failed call to cuInit`). In a kernel, fd 2 is what the notebook shows in red."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real fd 2 (an embedded interpreter)
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            text = held.read().decode("utf-8", "replace")
+            kept = [line for line in text.splitlines() if line.strip() and not _NOISE.search(line)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+                sys.stderr.flush()
 
 
 def configure_devices(cpus: int | None = None) -> dict:

@@ -5,7 +5,7 @@
  */
 
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { ICommandPalette, MainAreaWidget, Notification } from '@jupyterlab/apputils';
+import { Dialog, ICommandPalette, MainAreaWidget, Notification, showDialog } from '@jupyterlab/apputils';
 import { DocumentRegistry } from '@jupyterlab/docregistry';
 import { INotebookModel, INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { Kernel } from '@jupyterlab/services';
@@ -16,7 +16,16 @@ import { DisposableDelegate, IDisposable } from '@lumino/disposable';
 import { Widget } from '@lumino/widgets';
 
 import { KernelLink } from './link';
-import { lastEndedRun, runningRun, statusBarText, stopAction } from './model';
+import {
+  formatNumber,
+  ISnapshot,
+  IStoredRun,
+  lastEndedRun,
+  newlyEndedLongRuns,
+  runningRun,
+  statusBarText,
+  stopAction
+} from './model';
 import { ReplicatorSidebar } from './sidebar';
 import { ReplicatorStatus } from './statusbar';
 import { templateCell } from './templates';
@@ -65,7 +74,12 @@ function activate(
   const sidebar = new ReplicatorSidebar({
     stop: runId => void stopRun(runId),
     openFigure: runId => requestFigure(runId),
-    insertTemplate: () => void app.commands.execute(CommandIds.insertTemplate)
+    insertTemplate: () => void app.commands.execute(CommandIds.insertTemplate),
+    exportRun: (runId, what) => sendOrWarn({ type: 'export', run_id: runId, what }),
+    tensorboard: runId => void openTensorBoard(runId),
+    requestRuns: () => sendOrWarn({ type: 'runs' }),
+    compare: runIds => sendOrWarn({ type: 'compare', run_ids: runIds }),
+    deleteRuns: runIds => void deleteRuns(runIds)
   });
   sidebar.id = SIDEBAR_ID;
   sidebar.title.icon = replicasIcon;
@@ -103,9 +117,19 @@ function activate(
     refresh();
   }
 
+  let previous: ISnapshot | null = null;
+  let asked: KernelLink | null = null;
   function refresh(): void {
     const state = current?.state ?? 'no-kernel';
     const snapshot = current?.snapshot ?? null;
+    if (current && state === 'ready' && (asked !== current || newlyEnded(previous, snapshot))) {
+      asked = current; // the run store changed (a run ended) or a new kernel: ask for its table
+      current.send({ type: 'runs' });
+    }
+    for (const run of newlyEndedLongRuns(previous, snapshot)) {
+      notifyEnded(run.name, run.status, run.steps_per_sec);
+    }
+    previous = snapshot;
     sidebar.render(state, snapshot, tracker.currentWidget?.title.label ?? '');
     status.setText(statusBarText(state, snapshot), runningRun(snapshot) !== null);
     // Toolbar buttons and the palette grey out Stop / Figure; tell them only when that changes.
@@ -144,9 +168,126 @@ function activate(
     }
   }
 
+  function newlyEnded(before: ISnapshot | null, after: ISnapshot | null): boolean {
+    const ended = (s: ISnapshot | null) => (s?.runs ?? []).filter(r => r.ended !== null).length;
+    return ended(after) !== ended(before);
+  }
+
+  /** A long run ended: tell the user even when the notebook is not what they look at. */
+  function notifyEnded(name: string, status: string, stepsPerSec: number | null): void {
+    const panel = tracker.currentWidget;
+    const away = document.hidden || !panel || !panel.isVisible;
+    if (!away) {
+      return;
+    }
+    const text = `${name} ${status} (${formatNumber(stepsPerSec)} steps/s)`;
+    Notification.info(`Replicator Workbench: ${text}`, { autoClose: 10000 });
+    if (document.hidden && 'Notification' in window && window.Notification.permission === 'granted') {
+      new window.Notification('Replicator Workbench', { body: text });
+    }
+  }
+
+  function sendOrWarn(data: JSONObject): void {
+    if (!current || !current.send(data)) {
+      Notification.warning('The workbench is not loaded in this notebook\u2019s kernel: run %load_ext workbench.', {
+        autoClose: 5000
+      });
+    }
+  }
+
+  async function deleteRuns(runIds: string[]): Promise<void> {
+    const answer = await showDialog({
+      title: `Delete ${runIds.length} recorded run${runIds.length === 1 ? '' : 's'}?`,
+      body: 'Their folders (history, events, figure, TensorBoard files) are removed from the run store.',
+      buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Delete' })]
+    });
+    if (answer.button.accept) {
+      sendOrWarn({ type: 'delete', run_ids: runIds });
+    }
+  }
+
+  /** A cell below the active one runs `%replicate --tensorboard <run id>` (IPython's %tensorboard). */
+  async function openTensorBoard(runId: string): Promise<void> {
+    const panel = tracker.currentWidget;
+    if (!panel) {
+      return;
+    }
+    NotebookActions.insertBelow(panel.content);
+    panel.content.activeCell?.model.sharedModel.setSource(`%replicate --tensorboard ${runId}`);
+    await NotebookActions.run(panel.content, panel.sessionContext);
+  }
+
+  function download(filename: string, mime: string, base64: string): void {
+    const bytes = Uint8Array.from(atob(base64), c => c.charCodeAt(0));
+    const url = URL.createObjectURL(new Blob([bytes], { type: mime }));
+    const link = document.createElement('a');
+    link.href = url;
+    link.download = filename;
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 10000);
+  }
+
+  let comparisons = 0;
+  function showComparison(reply: JSONObject): void {
+    const content = new Widget();
+    content.addClass('wb-figure-view');
+    content.addClass('wb-compare-view');
+    const img = document.createElement('img');
+    img.src = `data:image/png;base64,${String(reply.png)}`;
+    img.alt = 'loss and throughput of the compared runs';
+    const table = document.createElement('table');
+    table.className = 'wb-compare-table';
+    const columns: [string, string][] = [
+      ['name', 'run'],
+      ['backend', 'backend'],
+      ['num_replicas', 'replicas'],
+      ['steps', 'steps'],
+      ['steps_per_sec', 'steps/s'],
+      ['examples_per_sec', 'examples/s'],
+      ['median_examples_per_sec', 'median step examples/s'],
+      ['loss', 'loss']
+    ];
+    const head = document.createElement('tr');
+    for (const [, label] of columns) {
+      const th = document.createElement('th');
+      th.textContent = label;
+      head.append(th);
+    }
+    table.append(head);
+    for (const row of (reply.rows as unknown as IStoredRun[]) ?? []) {
+      const tr = document.createElement('tr');
+      tr.dataset.runId = row.id;
+      for (const [key] of columns) {
+        const td = document.createElement('td');
+        td.dataset.key = key;
+        const value = row[key];
+        td.textContent = typeof value === 'number' ? formatNumber(value) : String(value ?? '\u2013');
+        tr.append(td);
+      }
+      table.append(tr);
+    }
+    content.node.append(img, table);
+    const widget = new MainAreaWidget({ content });
+    comparisons += 1;
+    widget.id = `wb-compare-${comparisons}`;
+    widget.title.label = `Compare ${(reply.run_ids as string[]).length} runs`;
+    widget.title.icon = imageIcon;
+    widget.title.closable = true;
+    app.shell.add(widget, 'main');
+    app.shell.activateById(widget.id);
+  }
+
   const figures = new Map<string, MainAreaWidget>();
   function onReply(reply: JSONObject): void {
-    if (reply.type === 'error') {
+    if (reply.type === 'runs') {
+      sidebar.setStoredRuns((reply.rows as unknown as IStoredRun[]) ?? []);
+    } else if (reply.type === 'compare') {
+      showComparison(reply);
+    } else if (reply.type === 'export') {
+      download(String(reply.filename), String(reply.mime), String(reply.data));
+    } else if (reply.type === 'error') {
       Notification.warning(String(reply.text), { autoClose: 6000 });
     } else if (reply.type === 'figure') {
       const runId = String(reply.run_id);

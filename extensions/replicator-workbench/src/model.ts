@@ -46,8 +46,97 @@ export interface IRunInfo {
   metrics: { [name: string]: number | null };
   examples_per_sec: number | null;
   steps_per_sec: number | null;
+  /** The median step's examples/s (the compiled calls alone); always labelled "median". */
+  median_examples_per_sec?: number | null;
+  /** Seconds to go at the current steps/s (null before the first timed chunk). */
+  eta_seconds?: number | null;
+  /** A scaling study's runs share a group ("scaling weak"); its warm-up runs are marked. */
+  group?: string | null;
+  warmup?: boolean;
   started: number | null;
   ended: number | null;
+}
+
+/** A row of the run store's table (wb.runs()), every recorded run of the runs directory. */
+export interface IStoredRun {
+  id: string;
+  name: string | null;
+  status: string | null;
+  backend: string | null;
+  num_replicas: number | null;
+  steps: number | null;
+  duration_s: number | null;
+  steps_per_sec: number | null;
+  examples_per_sec: number | null;
+  loss: number | null;
+  group?: string | null;
+  [column: string]: unknown;
+}
+
+export type SortKey = 'id' | 'name' | 'backend' | 'steps' | 'steps_per_sec' | 'examples_per_sec' | 'loss';
+
+/** The table's rows sorted by `key` (missing values last), optionally only one backend. */
+export function sortAndFilter(
+  rows: IStoredRun[],
+  key: SortKey,
+  descending: boolean,
+  backend: string | null
+): IStoredRun[] {
+  const kept = rows.filter(r => !backend || r.backend === backend);
+  const value = (r: IStoredRun): number | string | null => {
+    const v = r[key];
+    return typeof v === 'number' || typeof v === 'string' ? v : null;
+  };
+  return kept.sort((a, b) => {
+    const x = value(a);
+    const y = value(b);
+    if (x === null || y === null) {
+      return x === y ? 0 : x === null ? 1 : -1;
+    }
+    const order = x < y ? -1 : x > y ? 1 : 0;
+    return descending ? -order : order;
+  });
+}
+
+/** The backends present in the table, for the filter. */
+export function backendsOf(rows: IStoredRun[]): string[] {
+  return [...new Set(rows.map(r => r.backend).filter((b): b is string => typeof b === 'string'))].sort();
+}
+
+/** 42 -> "42 s"; 185 -> "3 min 5 s"; 7800 -> "2 h 10 min"; null -> "–" (figures.fmt_duration). */
+export function formatDuration(seconds: number | null | undefined): string {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
+    return '\u2013';
+  }
+  const s = Math.round(seconds);
+  if (s < 60) {
+    return `${s} s`;
+  }
+  if (s < 3600) {
+    return `${Math.floor(s / 60)} min ${s % 60} s`;
+  }
+  return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
+}
+
+/** A run that ended since the previous snapshot and ran at least `longSeconds`: worth a notification. */
+export function newlyEndedLongRuns(
+  before: ISnapshot | null,
+  after: ISnapshot | null,
+  longSeconds = 30
+): IRunInfo[] {
+  if (!before || !after) {
+    return [];
+  }
+  const wasRunning = new Set(before.runs.filter(isRunning).map(r => r.id));
+  return after.runs.filter(
+    r =>
+      wasRunning.has(r.id) &&
+      !isRunning(r) &&
+      !r.warmup &&
+      r.started !== null &&
+      r.ended !== null &&
+      r.ended - r.started >= longSeconds
+  );
 }
 
 export interface ISnapshot {
@@ -117,10 +206,13 @@ export function lastEndedRun(snapshot: ISnapshot | null): IRunInfo | null {
   if (!snapshot) {
     return null;
   }
-  return snapshot.runs.find(r => !isRunning(r)) ?? null;
+  return snapshot.runs.find(r => !isRunning(r) && !r.warmup) ?? null;
 }
 
-/** 1234.5 -> "1,235"; 12.345 -> "12.3"; 0.01234 -> "0.0123"; null -> "–". */
+/**
+ * 1234.5 -> "1,235"; 12.345 -> "12.3"; 0.01234 -> "0.012"; null -> "–". The kernel's
+ * workbench/_src/figures.py `fmt` follows the same rules, so both print a figure identically.
+ */
 export function formatNumber(value: number | null | undefined): string {
   if (value === null || value === undefined || !Number.isFinite(value)) {
     return '\u2013';
@@ -186,14 +278,20 @@ export function describeProgress(run: IRunInfo): string {
   return run.target_step ? `${step} / ${run.target_step.toLocaleString('en-US')}` : step;
 }
 
-/** 0..1, or null when the run has no target. */
+/** 0..1, or null when the run has no target (step and target count from the run's start). */
 export function progressFraction(run: IRunInfo): number | null {
   if (!run.target_step) {
     return null;
   }
-  const first = (run.first_step ?? 1) - 1;
-  const total = run.target_step - first;
-  return total > 0 ? Math.min(1, Math.max(0, (run.step - first) / total)) : null;
+  return Math.min(1, Math.max(0, run.step / run.target_step));
+}
+
+/** "ETA 3 min 5 s" while a run with a target trains; '' otherwise. */
+export function describeEta(run: IRunInfo): string {
+  if (!isRunning(run) || !run.target_step) {
+    return '';
+  }
+  return `ETA ${formatDuration(run.eta_seconds)}`;
 }
 
 /** A run's status as shown: "running", "stopping…", "stopped", ... */
@@ -205,8 +303,9 @@ export function describeStatus(run: IRunInfo): string {
 }
 
 /**
- * The status bar's text: backend · replicas · steps/s of the running run; the session's
- * replicator when nothing runs; '' when there is nothing to say (the item hides).
+ * The status bar's text: backend · replicas · steps/s of the running run; when nothing runs,
+ * the session's replicator and the last run's steps/s (the figure its summary shows); '' when
+ * there is nothing to say (the item hides).
  */
 export function statusBarText(state: LinkState, snapshot: ISnapshot | null): string {
   if (state !== 'ready' || !snapshot) {
@@ -218,7 +317,12 @@ export function statusBarText(state: LinkState, snapshot: ISnapshot | null): str
     return `${describeReplicas(run.backend, run.num_replicas, run.num_workers)} \u00b7 ${rate}`;
   }
   const repl = snapshot.replicator;
-  return repl ? describeReplicas(repl.backend, repl.num_replicas, repl.num_workers) : '';
+  const parts = repl ? [describeReplicas(repl.backend, repl.num_replicas, repl.num_workers)] : [];
+  const last = lastEndedRun(snapshot);
+  if (last && last.steps_per_sec !== null) {
+    parts.push(`${last.name}: ${formatNumber(last.steps_per_sec)} steps/s`);
+  }
+  return parts.join(' \u00b7 ');
 }
 
 /** The sidebar's one-line explanation for states other than 'ready'. */

@@ -8,7 +8,9 @@
 import { Widget } from '@lumino/widgets';
 
 import {
+  backendsOf,
   describeDevices,
+  describeEta,
   describeProgress,
   describeReplicas,
   describeStatus,
@@ -16,9 +18,12 @@ import {
   IRunInfo,
   isRunning,
   ISnapshot,
+  IStoredRun,
   LinkState,
   LOAD_LINE,
   progressFraction,
+  SortKey,
+  sortAndFilter,
   stateHint
 } from './model';
 
@@ -26,7 +31,24 @@ export interface ISidebarActions {
   stop(runId: string): void;
   openFigure(runId: string): void;
   insertTemplate(): void;
+  /** Downloads the run's history (CSV) or its dashboard figure (PNG). */
+  exportRun(runId: string, what: 'csv' | 'figure'): void;
+  /** Opens the run's TensorBoard event files (a `%replicate --tensorboard` cell). */
+  tensorboard(runId: string): void;
+  /** Asks the kernel for the run store's table (answered with setStoredRuns). */
+  requestRuns(): void;
+  compare(runIds: string[]): void;
+  deleteRuns(runIds: string[]): void;
 }
+
+const TABLE_COLUMNS: [SortKey, string][] = [
+  ['name', 'run'],
+  ['backend', 'backend'],
+  ['steps', 'steps'],
+  ['steps_per_sec', 'steps/s'],
+  ['examples_per_sec', 'examples/s'],
+  ['loss', 'loss']
+];
 
 export class ReplicatorSidebar extends Widget {
   constructor(private readonly actions: ISidebarActions) {
@@ -80,9 +102,120 @@ export class ReplicatorSidebar extends Widget {
         active.length ? active.map(r => this.runRow(r)) : [el('div', 'wb-empty', 'No run is training.')]
       )
     );
-    if (recent.length) {
-      root.append(this.section('Recent runs', recent.map(r => this.runRow(r))));
+    const plain = recent.filter(r => !r.group);
+    if (plain.length) {
+      root.append(this.section('Recent runs', plain.map(r => this.runRow(r))));
     }
+    // A scaling study: one group, one line per configuration (its warm-up runs hidden once done).
+    const groups = new Map<string, IRunInfo[]>();
+    for (const r of recent.filter(r => r.group && !r.warmup)) {
+      groups.set(r.group as string, [...(groups.get(r.group as string) ?? []), r]);
+    }
+    for (const [group, runs] of groups) {
+      const lines = runs.map(r => this.studyLine(r));
+      const node = this.section(`Scaling study \u00b7 ${group.replace(/^scaling /, '')}`, lines);
+      node.classList.add('wb-study');
+      root.append(node);
+    }
+    root.append(this._store);
+  }
+
+  /** The run store's table (every recorded run): sort, filter by backend, pick, compare, delete. */
+  setStoredRuns(rows: IStoredRun[]): void {
+    this._storedRows = rows;
+    const ids = new Set(rows.map(r => r.id));
+    this._selected = new Set([...this._selected].filter(id => ids.has(id)));
+    this.renderStore();
+  }
+
+  private renderStore(): void {
+    const store = this._store;
+    store.replaceChildren(el('h3', 'wb-section-title', 'Run store (wb.runs())'));
+    const tools = el('div', 'wb-store-tools');
+    const filter = document.createElement('select');
+    filter.className = 'wb-filter-backend';
+    for (const backend of ['', ...backendsOf(this._storedRows)]) {
+      const option = document.createElement('option');
+      option.value = backend;
+      option.textContent = backend || 'all backends';
+      option.selected = backend === (this._backend ?? '');
+      filter.append(option);
+    }
+    filter.addEventListener('change', () => {
+      this._backend = filter.value || null;
+      this.renderStore();
+    });
+    const compare = button(`Compare (${this._selected.size})`, 'wb-compare', () =>
+      this.actions.compare([...this._selected])
+    );
+    compare.disabled = this._selected.size < 2;
+    compare.title = 'Overlay the loss and throughput of the picked runs (wb.compare_runs)';
+    const remove = button('Delete', 'wb-delete', () => this.actions.deleteRuns([...this._selected]));
+    remove.disabled = this._selected.size === 0;
+    const refresh = button('Refresh', 'wb-refresh', () => this.actions.requestRuns());
+    tools.append(filter, compare, remove, refresh);
+    store.append(tools);
+    const table = el('table', 'wb-runs-table');
+    const head = el('tr', 'wb-runs-head');
+    head.append(el('th', 'wb-pick', ''));
+    for (const [key, label] of TABLE_COLUMNS) {
+      const arrow = key === this._sortKey ? (this._descending ? ' \u25bc' : ' \u25b2') : '';
+      const th = el('th', `wb-sort wb-sort-${key}`, label + arrow);
+      th.addEventListener('click', () => {
+        this._descending = key === this._sortKey ? !this._descending : key !== 'name' && key !== 'backend';
+        this._sortKey = key;
+        this.renderStore();
+      });
+      head.append(th);
+    }
+    table.append(head);
+    for (const row of sortAndFilter(this._storedRows, this._sortKey, this._descending, this._backend)) {
+      const tr = el('tr', 'wb-stored-run');
+      tr.dataset.runId = row.id;
+      tr.dataset.backend = row.backend ?? '';
+      const pick = document.createElement('input');
+      pick.type = 'checkbox';
+      pick.className = 'wb-pick-run';
+      pick.checked = this._selected.has(row.id);
+      pick.addEventListener('change', () => {
+        if (pick.checked) {
+          this._selected.add(row.id);
+        } else {
+          this._selected.delete(row.id);
+        }
+        this.renderStore();
+      });
+      const cell = el('td', 'wb-pick');
+      cell.append(pick);
+      tr.append(
+        cell,
+        el('td', 'wb-col-name', row.name ?? row.id),
+        el('td', 'wb-col-backend', describeReplicas(row.backend, row.num_replicas).replace(' replicas', '').replace(' replica', '')),
+        el('td', 'wb-col-steps', formatNumber(row.steps)),
+        el('td', 'wb-col-steps_per_sec', formatNumber(row.steps_per_sec)),
+        el('td', 'wb-col-examples_per_sec', formatNumber(row.examples_per_sec)),
+        el('td', 'wb-col-loss', formatNumber(row.loss))
+      );
+      tr.title = `${row.id} \u00b7 ${row.status ?? ''}`;
+      table.append(tr);
+    }
+    store.append(table);
+    if (!this._storedRows.length) {
+      store.append(el('div', 'wb-empty', 'No recorded run yet.'));
+    }
+  }
+
+  /** One configuration of a scaling study: name, status, steps/s, examples/s. */
+  private studyLine(run: IRunInfo): HTMLElement {
+    const line = el('div', 'wb-study-line');
+    line.dataset.runId = run.id;
+    line.dataset.status = run.status;
+    line.append(
+      el('span', 'wb-run-name', run.name.replace(/^scaling \w+ /, '')),
+      el('span', 'wb-run-rate', `${formatNumber(run.steps_per_sec)} steps/s`),
+      el('span', 'wb-run-throughput', `${formatNumber(run.examples_per_sec)} examples/s`)
+    );
+    return line;
   }
 
   private section(title: string, children: HTMLElement[]): HTMLElement {
@@ -107,7 +240,8 @@ export class ReplicatorSidebar extends Widget {
     const loss = el('span', 'wb-run-loss');
     const rate = el('span', 'wb-run-rate');
     const throughput = el('span', 'wb-run-throughput');
-    stats.append(step, loss, rate, throughput);
+    const eta = el('span', 'wb-run-eta');
+    stats.append(step, loss, rate, throughput, eta);
     row.append(stats);
     const bar = el('div', 'wb-progress');
     const fill = el('div', 'wb-progress-fill');
@@ -120,6 +254,8 @@ export class ReplicatorSidebar extends Widget {
       loss.textContent = `loss ${formatNumber(r.loss)}`;
       rate.textContent = `${formatNumber(r.steps_per_sec)} steps/s`;
       throughput.textContent = `${formatNumber(r.examples_per_sec)} examples/s`;
+      eta.textContent = describeEta(r);
+      eta.hidden = !eta.textContent;
       const fraction = progressFraction(r);
       bar.hidden = fraction === null;
       fill.style.width = `${(100 * (fraction ?? 0)).toFixed(1)}%`;
@@ -137,13 +273,26 @@ export class ReplicatorSidebar extends Widget {
       if (run.reason) {
         row.append(el('div', 'wb-run-reason', run.reason));
       }
-      row.append(button('Dashboard figure', 'wb-figure', () => this.actions.openFigure(run.id)));
+      const actions = el('div', 'wb-run-actions');
+      actions.append(
+        button('Figure', 'wb-figure', () => this.actions.openFigure(run.id)),
+        button('CSV', 'wb-export-csv', () => this.actions.exportRun(run.id, 'csv')),
+        button('PNG', 'wb-export-png', () => this.actions.exportRun(run.id, 'figure')),
+        button('TensorBoard', 'wb-tensorboard', () => this.actions.tensorboard(run.id))
+      );
+      row.append(actions);
     }
     return row;
   }
 
   private _key = '';
   private _rows = new Map<string, (run: IRunInfo) => void>();
+  private _store = el('section', 'wb-section wb-store');
+  private _storedRows: IStoredRun[] = [];
+  private _selected = new Set<string>();
+  private _sortKey: SortKey = 'id';
+  private _descending = true;
+  private _backend: string | null = null;
 }
 
 /** Everything but the numbers of a run: when it changes, the sidebar is rebuilt. */

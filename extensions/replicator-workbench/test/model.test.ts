@@ -7,17 +7,23 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
 import {
+  backendsOf,
   describeDevices,
+  describeEta,
   describeProgress,
   describeReplicas,
   describeStatus,
+  formatDuration,
   formatNumber,
   IRunInfo,
+  IStoredRun,
+  newlyEndedLongRuns,
   ISnapshot,
   lastEndedRun,
   parseSnapshot,
   progressFraction,
   runningRun,
+  sortAndFilter,
   stateHint,
   statusBarText,
   stopAction
@@ -83,6 +89,8 @@ test('the status bar shows backend, replicas and steps/s of the running run', ()
   );
   const idle = snapshot([run({ status: 'stopped' })], { backend: 'single', num_replicas: 1 });
   assert.equal(statusBarText('ready', idle), 'single \u00b7 1 replica');
+  const after = snapshot([run({ status: 'finished', steps_per_sec: 812.4 })], { backend: 'single', num_replicas: 1 });
+  assert.equal(statusBarText('ready', after), 'single \u00b7 1 replica \u00b7 run 1: 812 steps/s');
   assert.equal(statusBarText('ready', snapshot([])), '');
   assert.equal(statusBarText('absent', snapshot([training])), '');
   assert.equal(statusBarText('connecting', null), '');
@@ -116,8 +124,13 @@ test('numbers, devices, replicas and progress read as a person writes them', () 
   assert.equal(describeProgress(run({ step: 1200, target_step: 5000 })), 'step 1,200 / 5,000');
   assert.equal(describeProgress(run({ step: 7, target_step: null })), 'step 7');
   assert.equal(progressFraction(run({ step: 250, target_step: 1000 })), 0.25);
-  // A resumed run (first step 501) counts its own steps.
-  assert.equal(progressFraction(run({ first_step: 501, step: 750, target_step: 1000 })), 0.5);
+  // A resumed run (first step 501) counts its own steps: the kernel sends them relative.
+  assert.equal(progressFraction(run({ first_step: 501, step: 500, target_step: 1000 })), 0.5);
+  assert.equal(describeEta(run({ eta_seconds: 185.2 })), 'ETA 3 min 5 s');
+  assert.equal(describeEta(run({ eta_seconds: null })), 'ETA \u2013');
+  assert.equal(describeEta(run({ status: 'finished', eta_seconds: 3 })), '');
+  assert.equal(formatDuration(42.4), '42 s');
+  assert.equal(formatDuration(7800), '2 h 10 min');
   assert.equal(progressFraction(run({ target_step: null })), null);
   assert.equal(describeStatus(run({ stop_requested: true })), 'stopping\u2026');
   assert.equal(describeStatus(run({ status: 'stopped', stop_requested: true })), 'stopped');
@@ -138,4 +151,26 @@ test('the template cell is a %%replicate cell defining input_fn and step_fn', ()
   // With a session replicator the cell reuses it.
   const chosen = templateCell(snapshot([], { backend: 'mirrored', num_replicas: 4 }), 50);
   assert.match(chosen, /^%%replicate --steps 50\n/);
+});
+
+test('the runs table sorts (missing values last), filters by backend, lists the backends', () => {
+  const row = (id: string, backend: string, sps: number | null): IStoredRun => ({
+    id, name: id, status: 'finished', backend, num_replicas: 2, steps: 10, duration_s: 1,
+    steps_per_sec: sps, examples_per_sec: null, loss: null
+  });
+  const rows = [row('a', 'mirrored', 5), row('b', 'single', null), row('c', 'mirrored', 9)];
+  assert.deepEqual(sortAndFilter(rows, 'steps_per_sec', true, null).map(r => r.id), ['c', 'a', 'b']);
+  assert.deepEqual(sortAndFilter(rows, 'steps_per_sec', false, null).map(r => r.id), ['a', 'c', 'b']);
+  assert.deepEqual(sortAndFilter(rows, 'id', false, 'mirrored').map(r => r.id), ['a', 'c']);
+  assert.deepEqual(backendsOf(rows), ['mirrored', 'single']);
+});
+
+test('a notification is due for a long run that just ended, not for short ones or warm-ups', () => {
+  const before = snapshot([run({ id: 'long', started: 0 }), run({ id: 'short', started: 0 })]);
+  const after = snapshot([
+    run({ id: 'long', status: 'finished', started: 0, ended: 45 }),
+    run({ id: 'short', status: 'finished', started: 0, ended: 5 })
+  ]);
+  assert.deepEqual(newlyEndedLongRuns(before, after).map(r => r.id), ['long']);
+  assert.deepEqual(newlyEndedLongRuns(after, after), []);
 });

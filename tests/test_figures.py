@@ -1,0 +1,79 @@
+"""One truth on screen: the run's figures are defined and formatted once (workbench/_src/figures.py)."""
+
+import math
+
+import pytest
+
+from workbench._src.figures import figures, fmt, fmt_duration, shown_reason
+
+
+def loop_rows(chunks, per_step=0.001, gap=0.0005, batch=128, compile_seconds=2.0, first_step=1):
+    """Rows as the run loop writes them: a chunk's steps evenly spaced over its time; the first
+    chunk compiles (untimed: NaN examples/s)."""
+    rows, t = [], 0.0
+    for c, k in enumerate(chunks):
+        compiling = c == 0
+        step_time = compile_seconds / k if compiling else per_step
+        start = t if compiling else t + gap
+        for i in range(k):
+            rows.append(
+                {
+                    "step": first_step + len(rows),
+                    "wall_time": start + step_time * (i + 1),
+                    "examples_per_sec": math.nan if compiling else batch / per_step,
+                }
+            )
+        t = rows[-1]["wall_time"]
+    return {k: [r[k] for r in rows] for k in rows[0]}
+
+
+def test_whole_run_rates_are_wall_clock_and_examples_are_steps_times_the_batch():
+    cols = loop_rows([10] + [20] * 9)
+    fig = figures(cols)
+    seconds = cols["wall_time"][-1] - cols["wall_time"][9]
+    assert fig["steps"] == 190 and fig["steps_per_sec"] == pytest.approx(180 / seconds, rel=1e-3)
+    assert fig["examples_per_sec"] == pytest.approx(fig["steps_per_sec"] * 128, rel=1e-3)
+    assert fig["median_examples_per_sec"] == 128000  # the compiled calls alone, labelled "median"
+    assert fig["eta_seconds"] is None  # ended
+
+
+def test_running_rates_are_over_the_last_window_and_eta_from_them():
+    cols = loop_rows([10] + [1000] * 30, per_step=0.001)  # ~30 s of training after compiling
+    fig = figures(cols, running=True, target_steps=40_000)
+    assert fig["steps_per_sec"] == pytest.approx(1000 / 1.0005, rel=1e-3)
+    assert fig["eta_seconds"] == pytest.approx((40_000 - 30_010) / fig["steps_per_sec"], rel=1e-2)
+    # Before the first timed chunk: no rate and no ETA (no absurd first ETA from compiling).
+    early = figures(loop_rows([10]), running=True, target_steps=40_000)
+    assert early["steps_per_sec"] is None and early["eta_seconds"] is None and early["steps"] == 10
+
+
+def test_a_later_run_counts_its_own_steps():
+    cols = loop_rows([20] * 5, first_step=20016)
+    assert figures(cols)["steps"] == 100
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (1234.5, "1,235"),
+        (100_000_000, "100,000,000"),
+        (12.25, "12.3"),  # a tie rounds up, as JavaScript's toFixed does
+        (12.345, "12.3"),
+        (0.5, "0.5"),
+        (0.01234, "0.012"),
+        (0.000123, "0.000123"),
+        (0, "0"),
+        (None, "\u2013"),
+        (math.nan, "\u2013"),
+    ],
+)
+def test_fmt_is_the_sidebars_formatNumber(value, text):
+    # The same cases as extensions/replicator-workbench/test/model.test.ts.
+    assert fmt(value) == text
+
+
+def test_durations_and_reasons():
+    assert [fmt_duration(s) for s in (42.4, 185, 7800, None)] == ["42 s", "3 min 5 s", "2 h 10 min", "\u2013"]
+    assert shown_reason("stopped", "stopped at step 8337") is None
+    assert shown_reason("stopped", "interrupted at step 12") == "interrupted"
+    assert shown_reason("finished", "input exhausted after step 7") == "input exhausted after step 7"
