@@ -295,6 +295,56 @@ child.kill()
     assert report["listening"] == [["127.0.0.1", report["port"]]]
 
 
+def test_tensorflow_collectives_through_the_user_namespace_path():
+    """What a non-root user gets (a user + network namespace), with real TensorFlow processes:
+    the launcher runs as uid 1000 in a user namespace of its own, so it cannot take root's path."""
+    import pytest
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs util-linux unshare to run the launcher as a non-root user")
+    script = """
+import errno, json, os
+import test_network_isolation as t
+from workbench._src.launch import netns
+from workbench._src.launch.channel import Channel
+from workbench._src.launch.processes import ProcessGroup, free_ports
+group = ProcessGroup("user namespace test")
+channel = Channel(group)
+ports = free_ports(2)
+cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+for i in range(2):
+    tf_config = {"cluster": cluster, "task": {"type": "worker", "index": i}}
+    env = {**channel.env(), "TF_CONFIG": json.dumps(tf_config), "CUDA_VISIBLE_DEVICES": ""}
+    group.start("worker", i, "test_network_isolation", env, ["all-reduce"])
+reduced = [channel.messages.get(timeout=120)[1] for _ in range(4)]
+reduced = [m for m in reduced if m["type"] == "reduced"]
+pid = group.children[0].pid
+print(json.dumps({"uid": os.geteuid(), "kinds": sorted(group.network._fds), "sums": [m["sum"] for m in reduced],
+    "nets": sorted({m["net"] for m in reduced}), "ns_id": group.network.ns_id, "ports": ports,
+    "listening": [p for _, p in netns.listening_sockets(pid)], "exposed": netns.exposed_sockets(pid),
+    "accepted": [f"{h}:{p}" for p in ports for h in [*t.host_addresses(), "127.0.0.1"]
+                 if t.connect_error(h, p) != errno.ECONNREFUSED]}), flush=True)
+channel.broadcast({"type": "go"})
+for c in group.children:
+    c.popen.wait(timeout=30)
+group.stop()
+channel.close()
+"""
+    done = subprocess.run(
+        [unshare, "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c", script],
+        env={**os.environ, **PROBE_ENV}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    if "unshare failed" in done.stderr:
+        pytest.skip(f"cannot make the test's user namespace: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["uid"] == 1000 and report["kinds"] == ["net", "user"]
+    assert report["sums"] == [3.0, 3.0] and report["nets"] == [report["ns_id"]]
+    assert set(report["ports"]) <= set(report["listening"]) and report["exposed"] == []
+    assert report["accepted"] == []  # checked from the host network while the servers were up
+
+
 def test_refused_namespaces_warn_once_and_fall_back():
     """A user namespace whose uid is not mapped may not make namespaces: a real refusal."""
     import pytest

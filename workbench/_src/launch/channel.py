@@ -159,7 +159,11 @@ class ParentLink:
             self.conn.send(message)
 
     def recv(self):
-        return self.conn.recv()
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError):
+            _clean_up_if_orphaned()  # this may be the last thing the process does
+            raise
 
     def start_heartbeat(self, every: float = 0.5) -> None:
         def beat():
@@ -168,12 +172,14 @@ class ParentLink:
                 try:
                     self.send({"type": "heartbeat"})
                 except (OSError, ValueError):
+                    _clean_up_if_orphaned()
                     os._exit(3)  # the parent is gone
 
         threading.Thread(target=beat, name="workbench heartbeat", daemon=True).start()
 
 
 _left_behind_by_parent: list[str] = []  # the parent's folders, removed here if it dies first
+_parent_pid = os.getppid()  # a different parent later means ours died (we were reparented)
 
 
 def exit_when_parent_dies() -> None:
@@ -187,13 +193,21 @@ def exit_when_parent_dies() -> None:
         with contextlib.suppress(Exception):
             while sys.stdin.buffer.read(1):
                 pass
-        _remove_parent_folders()
+        _clean_up_if_orphaned()
         os._exit(4)
 
     threading.Thread(target=watch, name="workbench parent watch", daemon=True).start()
 
 
-def _remove_parent_folders() -> None:
+def _clean_up_if_orphaned() -> None:
+    """Removes the dead parent's folders; only once it is really gone (a live launcher may still
+    read the logs for its error message). A dying parent closes its pipes and sockets a moment
+    before its children are handed to a new parent: wait for that, briefly."""
+    deadline = time.monotonic() + 2.0
+    while os.getppid() == _parent_pid:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.02)
     folders = list(_left_behind_by_parent)
     if os.environ.get(KEEP_LOGS_ENV) != "1" and os.environ.get(LOG_DIR_ENV):
         folders.append(os.environ[LOG_DIR_ENV])
