@@ -129,10 +129,11 @@ def _make_namespace(timeout: float) -> PrivateNetwork:
     try:
         ready, _, _ = select.select([anchor.stdout], [], [], timeout)
         line = anchor.stdout.readline().decode(errors="replace").strip() if ready else ""
+        if line.startswith("error "):
+            raise _Refused(line.removeprefix("error "))
         if not line.startswith("ok "):
-            raise _Refused(
-                line.removeprefix("error ") or f"no answer from the namespace helper in {timeout:.0f} s"
-            )
+            said = f"it said {line!r}" if line else f"no answer in {timeout:.0f} s"
+            raise _Refused(f"the helper `python {__file__} anchor` failed: {said}")
         kinds = line.split()[1].split(",")  # "user,net" or "net"
         for kind in kinds:
             fds[kind] = os.open(f"/proc/{anchor.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)

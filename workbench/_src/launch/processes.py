@@ -190,7 +190,9 @@ class ProcessGroup:
             return port_open(port)
         for child in self.alive():
             with contextlib.suppress(OSError):
-                return any(p == port for _, p in netns.listening_sockets(child.pid))
+                # Not a child that has yet to enter the namespace: its /proc shows the host's.
+                if os.readlink(f"/proc/{child.pid}/ns/net") == self.network.ns_id:
+                    return any(p == port for _, p in netns.listening_sockets(child.pid))
         return False
 
     def unexpected_exits(self) -> list[Child]:
