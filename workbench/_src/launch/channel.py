@@ -127,11 +127,14 @@ class Channel:
 
 def _peer_pid(conn: Connection) -> int | None:
     """The pid of the process at the other end of a Unix socket, as the kernel knows it."""
+    peercred = getattr(socket, "SO_PEERCRED", None)  # Linux; elsewhere the hello's pid must do
+    if peercred is None:
+        return None
     try:
         with socket.socket(fileno=os.dup(conn.fileno())) as s:
             if s.family != socket.AF_UNIX:
                 return None
-            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            creds = s.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i"))
     except (OSError, ValueError):
         return None
     return struct.unpack("3i", creds)[0]

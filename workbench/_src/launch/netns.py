@@ -100,6 +100,8 @@ def open_network(label: str = "local cluster", timeout: float = 20.0) -> Private
 
     started = time.monotonic()
     try:
+        if not sys.platform.startswith("linux"):
+            raise _Refused(f"network namespaces are a Linux feature; this is {sys.platform}")
         network = _make_namespace(timeout)
     except _Refused as refusal:
         _warn_exposed(label, str(refusal))
