@@ -380,6 +380,34 @@ print(json.dumps({"isolated": [g.network_isolated for g in groups], "code": chil
     assert "listen on EVERY network interface" in message and "Fix:" in message
 
 
+def test_opting_out_runs_in_the_host_network_and_children_follow():
+    """WORKBENCH_PRIVATE_NETWORK=off: the host network, warned; a group made by a child follows."""
+    script = """
+import json, time, warnings
+warnings.simplefilter("always")
+from workbench._src.launch.processes import ProcessGroup
+with warnings.catch_warnings(record=True) as caught:
+    group = ProcessGroup("multi-worker")
+    child = group.start("coordinator", 0, "test_network_isolation", {}, ["nested"])
+    report = None
+    while report is None and child.popen.poll() is None:
+        lines = [l for l in child.log_path.read_text().splitlines() if l.startswith("{")]
+        report = json.loads(lines[-1]) if lines else time.sleep(0.1)
+    group.stop()
+print(json.dumps({"isolated": group.network_isolated, "child": report, "warnings": [str(w.message) for w in caught]}))
+"""
+    env = {**os.environ, **PROBE_ENV, "WORKBENCH_PRIVATE_NETWORK": "off"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["isolated"] is False and report["child"]["isolated"] is False
+    assert report["child"]["net"] == report["child"]["grandchild_net"] == os.readlink("/proc/self/ns/net")
+    assert report["child"]["port_open_inside"]  # coordinator and its server share the host network
+    assert len(report["warnings"]) == 1 and "WORKBENCH_PRIVATE_NETWORK=off is set" in report["warnings"][0]
+
+
 def _netns_path() -> str:
     from workbench._src.launch import netns
 

@@ -31,11 +31,20 @@ from __future__ import annotations
 import os
 import sys
 
-PRIVATE_NETWORK_ENV = "WORKBENCH_PRIVATE_NETWORK"  # "net:[<inode>]" of the private namespace
+# "net:[<inode>]": this process runs in that private namespace (children of a group inherit it).
+# "off": local clusters run in the host network (set by hand to opt out, e.g. to attach a profiler
+# to a worker's port; set by a group that could not isolate, so its children's groups follow it).
+PRIVATE_NETWORK_ENV = "WORKBENCH_PRIVATE_NETWORK"
+OFF = "off"
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _warned = False
+_FIX_REFUSED = (
+    "allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+    "kernel.unprivileged_userns_clone=1, or lift the AppArmor userns restriction on Ubuntu), or "
+    "firewall incoming TCP on this machine"
+)
 
 
 class PrivateNetwork:
@@ -65,7 +74,9 @@ class PrivateNetwork:
         return wrapper + list(argv), tuple(fd for fd in (user, net) if fd >= 0)
 
     def env(self) -> dict[str, str]:
-        return {PRIVATE_NETWORK_ENV: self.ns_id} if self.isolated else {}
+        # Children of a group that is not isolated stay in the host network too, and so do the
+        # groups they make: a coordinator must share its servers' network.
+        return {PRIVATE_NETWORK_ENV: self.ns_id if self.isolated else OFF}
 
     def close(self) -> None:
         """Drops the descriptors: the namespace ends when its last process does."""
@@ -96,6 +107,12 @@ def open_network(label: str = "local cluster", timeout: float = 20.0) -> Private
     """A loopback-only network for a process group; on refusal warns once and returns the host's."""
     if inside_private_network():
         return PrivateNetwork(True, inherited=True, ns_id=os.environ[PRIVATE_NETWORK_ENV])
+    if os.environ.get(PRIVATE_NETWORK_ENV) == OFF:
+        reason = f"{PRIVATE_NETWORK_ENV}={OFF} is set"
+        # A launched child (WORKBENCH_TASK set) follows its launcher, which has warned already.
+        if not os.environ.get("WORKBENCH_TASK"):
+            _warn_exposed(label, reason, fix=f"unset {PRIVATE_NETWORK_ENV} once you are done")
+        return PrivateNetwork(False, reason=reason)
     import time
 
     started = time.monotonic()
@@ -160,7 +177,7 @@ def _make_namespace(timeout: float) -> PrivateNetwork:
         anchor.stdout.close()
 
 
-def _warn_exposed(label: str, reason: str) -> None:
+def _warn_exposed(label: str, reason: str, fix: str = "") -> None:
     import warnings
 
     global _warned
@@ -172,9 +189,7 @@ def _warn_exposed(label: str, reason: str) -> None:
         "this machine's network instead, and their TensorFlow gRPC servers (workers, parameter "
         "servers, coordinator) listen on EVERY network interface without authentication while a "
         "run lasts: anyone who can reach this machine can read and write files and run code in "
-        "them. Fix: allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
-        "kernel.unprivileged_userns_clone=1, or the AppArmor userns restriction on Ubuntu), or "
-        "firewall incoming TCP on this machine. This warning is shown once per process.",
+        f"them. Fix: {fix or _FIX_REFUSED}. This warning is shown once per process.",
         RuntimeWarning,
         stacklevel=4,
     )

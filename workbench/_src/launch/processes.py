@@ -162,8 +162,6 @@ class ProcessGroup:
             LOG_DIR_ENV: str(self.log_dir),
             "PYTHONUNBUFFERED": "1",
         }
-        if not self.network.isolated:
-            child_env.pop(netns.PRIVATE_NETWORK_ENV, None)
         child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         argv, pass_fds = self.network.wrap([sys.executable, "-m", module, *args])
         with open(log_path, "wb") as log:
