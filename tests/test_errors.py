@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -173,10 +174,200 @@ def test_bad_train_options():
     repl = wb.replicator("single")
     with pytest.raises(
         wb.ConfigurationError,
-        match=r"(?s)steps_per_execution must be a positive integer or 'auto'; received 0",
+        match=r"(?s)steps_per_execution must be a positive integer; received steps_per_execution=0 \(int\)\. "
+        r"Fix: .*'auto'",
     ):
         repl.train(lambda b: {}, batches(), steps=1, steps_per_execution=0)
     with pytest.raises(
         wb.ConfigurationError, match=r"(?s)reduce\['loss'\] must be 'mean' or 'sum'; received 'max'"
     ):
         repl.train(lambda b: {}, batches(), steps=1, reduce={"loss": "max"})
+
+
+# ----- issue 17: mistakes plain tf.distribute lets through ----------------------------------
+
+
+def _model_and_step(repl, model, opt):
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensors((tf.ones([4, 8]), tf.zeros([4], tf.int32))).repeat()
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return {"loss": loss}
+
+    return step_fn, input_fn
+
+
+def test_wrap_optimizer_twice():
+    repl = wb.replicator("mirrored", num_replicas=2)
+    with repl.context():
+        adam = keras.optimizers.Adam(1e-3)
+        opt = repl.wrap_optimizer(adam)
+        with pytest.raises(
+            wb.ConfigurationError,
+            match=r"(?s)already wrapped: received ReplicatedOptimizer\(Adam, replicas=2\)\. .*divides every "
+            r"gradient by the replica count twice.*Fix: use it as it is",
+        ):
+            repl.wrap_optimizer(opt)
+        with pytest.raises(
+            wb.ConfigurationError,
+            match=r"(?s)This Adam optimizer is already wrapped by wrap_optimizer \(received the optimizer of "
+            r"ReplicatedOptimizer\(Adam.*Fix: use the wrapped optimizer you already have",
+        ):
+            repl.wrap_optimizer(adam)
+        assert repl.wrap_optimizer(keras.optimizers.Adam(1e-3))  # a new optimizer is fine
+
+
+def test_variables_built_outside_the_context():
+    from toy_models import make_mlp
+
+    repl = wb.replicator("mirrored", num_replicas=2)
+    model = make_mlp()  # outside repl.context()
+    with repl.context():
+        opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
+    step_fn, input_fn = _model_and_step(repl, model, opt)
+    with pytest.raises(
+        wb.ConfigurationError,
+        match=r"(?s)4 of the 4 variables given to the wrapped optimizer were not created in this mirrored "
+        r"replicator's repl.context\(\).*received sequential.*/kernel.*Fix: build the model and the optimizer "
+        r"inside `with repl.context\(\):`",
+    ):
+        repl.train(step_fn, input_fn, steps=2)
+
+    repl = wb.replicator("mirrored", num_replicas=2)
+    with repl.context():
+        model = make_mlp()
+    opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))  # the optimizer outside
+    step_fn, input_fn = _model_and_step(repl, model, opt)
+    with pytest.raises(
+        wb.ConfigurationError,
+        match=r"(?s)The wrapped optimizer \(Adam\) was created outside this mirrored replicator's "
+        r"repl.context\(\).*received iterations=.*Fix: create it inside `with repl.context\(\):`",
+    ):
+        repl.train(step_fn, input_fn, steps=2)
+
+
+@pytest.mark.parametrize(
+    "backend, fix",
+    [
+        ("mirrored", r"wb.replicator\('mirrored', num_replicas=2\), or leave it out"),
+        ("single", r"leave num_replicas out \('single' runs one replica\)"),
+        ("tpu", r"leave num_replicas out \('tpu' uses every core"),
+    ],
+)
+@pytest.mark.parametrize("value", [0, -1, "2", 2.0, True])
+def test_num_replicas_must_be_a_positive_integer(backend, fix, value):
+    with pytest.raises(
+        wb.ConfigurationError,
+        match=rf"num_replicas must be a positive integer; received num_replicas={value!r} "
+        rf"\({type(value).__name__}\)\. Fix: {fix}",
+    ):
+        wb.replicator(backend, num_replicas=value)
+
+
+def test_backend_classes_check_replica_counts_under_the_names_typed():
+    from workbench._src.backends.mirrored import MultiGpuReplicator
+
+    with pytest.raises(wb.ConfigurationError, match=r"received num_replicas=0 \(int\)\. Fix: num_replicas=2"):
+        MultiGpuReplicator.from_replicas(0)
+    with pytest.raises(wb.ConfigurationError, match=r"received num_gpus='4' \(str\)"):
+        wb.MultiGpuReplicator(num_gpus="4")
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            "{'cluster': {}}",
+            r"TF_CONFIG is not valid JSON \(Expecting property name enclosed in double quotes",
+        ),
+        ('{"cluster": {"worker": ["localhost:1"]}', r"TF_CONFIG is not valid JSON \(Expecting"),
+        ('{"task": {"type": "worker", "index": 0}}', r"has no 'cluster' object"),
+        ('{"cluster": {"worker": "a:1,b:2"}, "task": {"type": "worker", "index": 0}}', r"not a list of"),
+        (
+            '{"cluster": {"worker": ["a:1", "b"]}, "task": {"type": "worker", "index": 0}}',
+            r"'b' .* not 'host:port'",
+        ),
+        ('{"cluster": {"worker": ["a:1"]}, "task": {"type": "chief", "index": 0}}', r"task type 'chief'"),
+        (
+            '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 2}}',
+            r"index 2, .* has 2",
+        ),
+    ],
+)
+def test_malformed_tf_config(monkeypatch, raw, message):
+    monkeypatch.setenv("TF_CONFIG", raw)
+    with pytest.raises(
+        wb.ConfigurationError, match=rf"(?s){message}.*received .*Fix: .*\"cluster\": \{{\"worker\""
+    ):
+        wb.MultiWorkerReplicator(cluster="TF_CONFIG")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolver(ports, index):
+    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=index)
+
+
+def test_a_peer_that_never_starts_raises_instead_of_killing_the_caller():
+    import time
+
+    from workbench._src.launch.join_watchdog import wait_for_peers
+
+    ports = [_free_port(), _free_port()]
+    start = time.monotonic()
+    with pytest.raises(
+        wb.WorkerError,
+        match=rf"(?s)\(worker 0\) waited startup_timeout=1 s .* 1 of 1 never accepted a connection: worker 1 at "
+        rf"127\.0\.0\.1:{ports[1]}\..*still usable.*Fix: start the same program on every host",
+    ) as caught:
+        wait_for_peers(_resolver(ports, 0), timeout=1.0)
+    assert caught.value.task == "worker 1"
+    assert time.monotonic() - start < 5
+
+
+def test_peers_waiting_for_each_other_all_go_on():
+    # Every task runs the same code: each holds its own port while it waits, so none deadlocks;
+    # once a task goes on, "TensorFlow's server" (a listener here) binds the port it released.
+    import socket
+    import threading
+
+    from workbench._src.launch.join_watchdog import wait_for_peers
+
+    ports = [_free_port(), _free_port(), _free_port()]
+    results, servers, all_done = {}, [], threading.Event()
+
+    def task(i):
+        try:
+            results[i] = wait_for_peers(_resolver(ports, i), timeout=20)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results[i] = e
+            return
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("", ports[i]))  # the port is free again
+        server.listen(8)
+        servers.append(server)
+        all_done.wait(30)
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    while len(results) < 3 and any(thread.is_alive() for thread in threads):
+        threading.Event().wait(0.05)
+    all_done.set()
+    for thread in threads:
+        thread.join(30)
+    for server in servers:
+        server.close()
+    assert all(isinstance(results.get(i), float) for i in range(3)), results

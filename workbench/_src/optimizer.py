@@ -14,6 +14,9 @@ as on one device (Keras's own clip then sees a gradient N times smaller and chan
 
 from __future__ import annotations
 
+import weakref
+
+from workbench._src.errors import ConfigurationError
 from workbench._src.tf_setup import tf
 
 
@@ -30,8 +33,11 @@ class ReplicatedOptimizer:
                 "wrap_optimizer takes a Keras optimizer (e.g. keras.optimizers.Adam(1e-3)); "
                 f"received {type(optimizer).__name__}."
             )
+        _refuse_second_wrap(optimizer)
         self.__dict__["_optimizer"] = optimizer
         self.__dict__["_replicator"] = replicator
+        self.__dict__["_checked"] = set()  # ids of the variables already found in the context
+        _WRAPPERS[optimizer] = weakref.ref(self)
 
     @property
     def optimizer(self):
@@ -47,6 +53,7 @@ class ReplicatedOptimizer:
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         variables = [v for _, v in grads_and_vars]
+        self._check_in_context(variables)
         self._build_if_needed(variables)
         grads = [g for g, _ in grads_and_vars]
         # The replicas that step together: every replica under mirrored / multi-worker, one
@@ -76,6 +83,36 @@ class ReplicatedOptimizer:
         self.apply_gradients(zip(grads, var_list))
         return loss
 
+    def _check_in_context(self, variables):
+        """Refuses variables (or an optimizer) made outside this replicator's repl.context():
+        TensorFlow fails later with an empty AssertionError or a colocation error from Keras."""
+        strategy = self._replicator.strategy
+        unchecked = [v for v in variables if id(v) not in self._checked]
+        if not unchecked:
+            return
+        outside = [v for v in unchecked if not _created_in_scope(strategy, v)]
+        if outside:
+            names = ", ".join(getattr(v, "path", None) or getattr(v, "name", "?") for v in outside[:4])
+            more = f" and {len(outside) - 4} more" if len(outside) > 4 else ""
+            raise ConfigurationError(
+                f"{len(outside)} of the {len(unchecked)} variables given to the wrapped optimizer were not "
+                f"created in this {self._replicator.backend} replicator's repl.context() (built outside "
+                f"any context, or under another replicator); received {names}{more}. A wrapped optimizer "
+                "can only update replicated variables. Fix: build the model and the optimizer inside "
+                "`with repl.context():` (e.g. `with repl.context(): model = make_model(); opt = "
+                "repl.wrap_optimizer(keras.optimizers.Adam(1e-3))`), then train."
+            )
+        iterations = getattr(self._optimizer, "iterations", None)
+        if iterations is not None and not _created_in_scope(strategy, iterations):
+            raise ConfigurationError(
+                f"The wrapped optimizer ({type(self._optimizer).__name__}) was created outside this "
+                f"{self._replicator.backend} replicator's repl.context(), so its own variables (received "
+                f"iterations={getattr(iterations, 'path', None) or iterations.name}) are not replicated. "
+                "Fix: create it inside `with repl.context():`, e.g. `opt = "
+                "repl.wrap_optimizer(keras.optimizers.Adam(1e-3))` there."
+            )
+        self._checked.update(id(v) for v in unchecked)
+
     def _mean_across_replicas(self, grads, n):
         opt = self._optimizer
         clips = any(getattr(opt, a, None) for a in ("clipnorm", "clipvalue", "global_clipnorm"))
@@ -104,6 +141,44 @@ class ReplicatedOptimizer:
 
     def __repr__(self):
         return f"ReplicatedOptimizer({self._optimizer.__class__.__name__}, replicas={self._replicator.num_replicas})"
+
+
+# Inner optimizer -> its live wrapper: one Keras optimizer, one wrapper (see _refuse_second_wrap).
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _refuse_second_wrap(optimizer) -> None:
+    if isinstance(optimizer, ReplicatedOptimizer):
+        raise ConfigurationError(
+            f"wrap_optimizer was given an optimizer that is already wrapped: received {optimizer!r}. "
+            "Wrapping it again divides every gradient by the replica count twice (on 2 replicas every "
+            "update is halved). Fix: use it as it is; wrap_optimizer takes the plain Keras optimizer, "
+            "once: `opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))`."
+        )
+    try:
+        previous = _WRAPPERS.get(optimizer)
+    except TypeError:  # not weak-referenceable / hashable: nothing to compare with
+        return
+    previous = previous() if previous is not None else None
+    if previous is not None:
+        raise ConfigurationError(
+            f"This {type(optimizer).__name__} optimizer is already wrapped by wrap_optimizer "
+            f"(received the optimizer of {previous!r} again). One Keras optimizer has one set of "
+            "slots and one step count; two wrappers around it update it twice as often, or under two "
+            "replicators. Fix: use the wrapped optimizer you already have everywhere, or wrap a new "
+            "one: `opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))`."
+        )
+
+
+def _created_in_scope(strategy, variable) -> bool:
+    """strategy.extended.variable_created_in_scope for tf and Keras 3 variables (True if unknown)."""
+    inner = variable
+    if not isinstance(variable, (tf().Variable,)) and hasattr(variable, "_value"):  # a keras.Variable
+        inner = getattr(variable, "value", variable)
+    try:
+        return bool(strategy.extended.variable_created_in_scope(inner))
+    except (AttributeError, NotImplementedError, TypeError):
+        return True
 
 
 class OptimizerNeedsBuild(Exception):

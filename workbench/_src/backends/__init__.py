@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workbench._src.errors import ConfigurationError
+from workbench._src.errors import ConfigurationError, check_positive_int
 
 # name -> (module, class, what it is).
 BACKENDS = {
@@ -54,4 +54,10 @@ def replicator(name: str = "mirrored", num_replicas: int | None = None, **kwargs
       2
     """
     cls = backend_class(name)
+    if num_replicas is not None:
+        fix = {
+            "single": "leave num_replicas out ('single' runs one replica)",
+            "tpu": "leave num_replicas out ('tpu' uses every core of the TPU)",
+        }.get(cls.backend, f"wb.replicator({cls.backend!r}, num_replicas=2), or leave it out for all devices")
+        check_positive_int("num_replicas", num_replicas, fix=fix)
     return cls.from_replicas(num_replicas, **kwargs)

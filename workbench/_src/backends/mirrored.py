@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workbench._src.errors import ConfigurationError, DeviceError
+from workbench._src.errors import ConfigurationError, DeviceError, check_positive_int
 from workbench._src.replicator import Replicator
 from workbench._src.tf_setup import accelerator_devices, tf, too_late_error
 
@@ -25,9 +25,13 @@ class MultiGpuReplicator(Replicator):
 
     def __init__(self, num_gpus: int | None = None, num_gpus_per_replica: int = 1, **input_options):
         super().__init__(**input_options)
-        for name, value in (("num_gpus", num_gpus), ("num_gpus_per_replica", num_gpus_per_replica)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigurationError(f"{name} must be a positive integer; received {name}={value!r}.")
+        if num_gpus is not None:
+            check_positive_int(
+                "num_gpus", num_gpus, fix="MultiGpuReplicator(num_gpus=2), or None for all devices"
+            )
+        check_positive_int(
+            "num_gpus_per_replica", num_gpus_per_replica, fix="num_gpus_per_replica=1 (the default)"
+        )
         if num_gpus is not None and num_gpus % num_gpus_per_replica:
             raise ConfigurationError(
                 f"num_gpus={num_gpus} is not a multiple of num_gpus_per_replica="
@@ -39,6 +43,14 @@ class MultiGpuReplicator(Replicator):
 
     @classmethod
     def from_replicas(cls, num_replicas=None, num_gpus_per_replica=1, **kwargs):
+        # Checked here, under the names the caller typed: num_gpus is derived from them.
+        if num_replicas is not None:
+            check_positive_int(
+                "num_replicas", num_replicas, fix="num_replicas=2, or leave it out for all devices"
+            )
+        check_positive_int(
+            "num_gpus_per_replica", num_gpus_per_replica, fix="num_gpus_per_replica=1 (the default)"
+        )
         num_gpus = None if num_replicas is None else num_replicas * num_gpus_per_replica
         return cls(num_gpus=num_gpus, num_gpus_per_replica=num_gpus_per_replica, **kwargs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workbench._src.errors import ConfigurationError
+from workbench._src.errors import ConfigurationError, check_positive_int
 from workbench._src.replicator import Replicator
 from workbench._src.tf_setup import accelerator_devices, tf
 
@@ -21,6 +21,10 @@ class NonReplicator(Replicator):
 
     @classmethod
     def from_replicas(cls, num_replicas=None, **kwargs):
+        if num_replicas is not None:
+            check_positive_int(
+                "num_replicas", num_replicas, fix="leave num_replicas out: 'single' runs one replica"
+            )
         if num_replicas not in (None, 1):
             raise ConfigurationError(
                 f"The 'single' backend runs exactly one replica; received num_replicas="

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from workbench._src.errors import ConfigurationError, TpuUnavailableError
+from workbench._src.errors import ConfigurationError, TpuUnavailableError, check_positive_int
 from workbench._src.replicator import Replicator
 from workbench._src.tf_setup import tf
 
@@ -27,6 +27,9 @@ class TpuReplicator(Replicator):
     @classmethod
     def from_replicas(cls, num_replicas=None, **kwargs):
         if num_replicas is not None:
+            check_positive_int(
+                "num_replicas", num_replicas, fix="leave num_replicas out: 'tpu' uses every core"
+            )
             raise ConfigurationError(
                 "The 'tpu' backend uses every core of the TPU it connects to; received "
                 f"num_replicas={num_replicas}. Fix: leave num_replicas out."

@@ -1,23 +1,154 @@
-"""Deadline for joining a real multi-worker cluster: `python -m workbench._src.launch.join_watchdog`.
+"""Joining a multi-worker cluster without hanging: `wait_for_peers`, and a watchdog backstop.
 
-TensorFlow's MultiWorkerMirroredStrategy waits forever for a peer that never starts and holds
-the interpreter while it waits, so the process cannot time itself out. This watchdog, started
-just before the join, waits for its stdin to close (the join finished, or the process exited).
-If the deadline passes first it names the peers nobody listens for, writes the error to the
-shared stderr, and kills the stuck process (SIGKILL: the strategy ignores SIGTERM).
+TensorFlow's MultiWorkerMirroredStrategy waits forever for a peer that never starts, inside its
+constructor, in C++: no Python thread, signal handler or timeout runs meanwhile, so the caller
+cannot time itself out once it is in there. `wait_for_peers(resolver, timeout)` is therefore
+called *before* the constructor: it polls until every other task's address accepts a TCP
+connection and raises WorkerError naming the silent ones when `timeout` passes. The calling
+process (a notebook kernel, a script) gets an exception, never a signal.
+
+Each peer runs the same code, and a task's gRPC port only opens inside its own constructor, so
+while it waits a task holds its own port with a placeholder listener (accepting and closing
+probes) and releases it just before returning; TensorFlow's server binds the port next.
+
+`python -m workbench._src.launch.join_watchdog PARENT TIMEOUT ME ADDRESSES` is the backstop for
+the remaining window (a peer that was reachable and then died before the join completed): it
+waits for its stdin to close (the join finished) and otherwise, after the deadline, only writes
+to the shared stderr which peers are missing and that the process must be interrupted. It never
+kills the process that started it: in a notebook that process is the kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import select
-import signal
+import socket
 import sys
+import threading
+import time
+
+POLL_SECONDS = 0.25
+
+
+def peer_addresses(resolver) -> dict[str, str]:
+    """{"worker 1": "host:port", ...}: every task of the resolver's cluster but its own (and an
+    evaluator's, which never joins the collective group)."""
+    me = (resolver.task_type, None if resolver.task_id is None else int(resolver.task_id))
+    peers = {}
+    for job, tasks in resolver.cluster_spec().as_dict().items():
+        if job == "evaluator":
+            continue
+        for index, address in tasks.items() if isinstance(tasks, dict) else enumerate(tasks):
+            if (job, int(index)) != me:
+                peers[f"{job} {index}"] = address
+    return peers
+
+
+def wait_for_peers(resolver, timeout: float, poll: float = POLL_SECONDS) -> float:
+    """Blocks until every peer of this task accepts a TCP connection; returns the seconds waited.
+
+    Args:
+      resolver: the tf.distribute cluster resolver the strategy will be built with (its task is
+        this process).
+      timeout: seconds to wait (startup_timeout); then WorkerError lists the unreachable peers.
+      poll: seconds between rounds of connection attempts.
+
+    Call it right before `tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)`.
+    A peer seen once counts as started (it may be inside its own constructor, between releasing
+    its placeholder and TensorFlow binding the port).
+    """
+    from workbench._src.errors import WorkerError
+
+    start = time.monotonic()
+    peers = peer_addresses(resolver)
+    waiting = dict(peers)
+    with _placeholder(_own_port(resolver)):
+        while waiting:
+            for task, address in list(waiting.items()):
+                if _accepts(address):
+                    del waiting[task]
+            if not waiting:
+                break
+            if time.monotonic() - start >= timeout:
+                names = ", ".join(f"{task} at {address}" for task, address in waiting.items())
+                me = f"{resolver.task_type} {resolver.task_id}"
+                raise WorkerError(
+                    f"This process ({me}) waited startup_timeout={timeout:g} s for the other processes "
+                    f"of the cluster, and {len(waiting)} of {len(peers)} never accepted a connection: "
+                    f"{names}. Nothing was started here, so the process is still usable. Fix: start "
+                    "the same program on every host of the cluster (each with its own TF_CONFIG task), "
+                    "check the addresses and firewalls, or raise startup_timeout.",
+                    task=next(iter(waiting)),
+                )
+            time.sleep(poll)
+    return time.monotonic() - start
+
+
+def _accepts(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _own_port(resolver) -> int | None:
+    if resolver.task_type is None or resolver.task_id is None:
+        return None
+    try:
+        address = resolver.cluster_spec().task_address(resolver.task_type, int(resolver.task_id))
+        return int(address.rpartition(":")[2])
+    except (ValueError, KeyError):
+        return None
+
+
+@contextlib.contextmanager
+def _placeholder(port: int | None):
+    """Listens on `port` (every interface, as TensorFlow's server will) while the peers are
+    awaited, accepting and closing their probes; nothing if the port is taken already (e.g. this
+    process's TensorFlow server is up)."""
+    listener = None
+    if port:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("", port))
+            listener.listen(64)
+        except OSError:
+            listener.close()
+            listener = None
+    if listener is None:
+        yield
+        return
+    done = threading.Event()
+
+    def serve():
+        listener.settimeout(0.1)
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:  # let the prober close first, so the TIME_WAIT is on its side
+                conn.settimeout(0.5)
+                with contextlib.suppress(OSError):
+                    conn.recv(1)
+
+    thread = threading.Thread(target=serve, name="workbench peer placeholder", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        listener.close()
 
 
 def main() -> None:
-    parent, timeout, me, addresses = (
+    _parent, timeout, me, addresses = (
         int(sys.argv[1]),
         float(sys.argv[2]),
         sys.argv[3],
@@ -26,23 +157,14 @@ def main() -> None:
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     if ready:
         return
-    from workbench._src.launch.processes import port_open
-
-    missing = []
-    for task, address in addresses.items():
-        host, port = address.rsplit(":", 1)
-        if not port_open(int(port), host):
-            missing.append(f"{task} at {address}")
-    names = ", ".join(missing) or "a peer"
+    missing = [f"{task} at {address}" for task, address in addresses.items() if not _accepts(address)]
+    names = ", ".join(missing) or "a peer that stopped answering"
     sys.stderr.write(
-        f"\nworkbench: WorkerError: this process ({me}) waited startup_timeout={timeout:.0f} s for the "
-        f"other processes of the cluster, and {names} never connected. Fix: start the same program "
-        "on every host of the cluster (each with its own TF_CONFIG task), check the addresses and "
-        "firewalls, or raise startup_timeout. TensorFlow cannot abandon the wait, so the process "
-        "is stopped now.\n"
+        f"\nworkbench: this process ({me}) has waited {timeout:.0f} s inside TensorFlow's cluster join "
+        f"for {names}. TensorFlow cannot abandon that wait. Fix: start the missing peer, or interrupt "
+        "this process (in a notebook: restart the kernel) and start every host again.\n"
     )
     sys.stderr.flush()
-    os.kill(parent, signal.SIGKILL)
 
 
 if __name__ == "__main__":
