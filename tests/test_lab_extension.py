@@ -218,6 +218,10 @@ def _write_notebook(path: Path) -> None:
             + TOY_CELL.strip()
         ),
         nbformat.v4.new_code_cell("fg = %replicate step_fn input_fn --steps 100000000 --no-live"),
+        # Two finished runs of the same model (the second starts at the program's step 3001),
+        # each ending with its summary: compared from the sidebar, figures checked against it.
+        nbformat.v4.new_code_cell("first = %replicate step_fn input_fn --steps 3000\nfirst"),
+        nbformat.v4.new_code_cell("second = %replicate step_fn input_fn --steps 2000 --no-live\nsecond"),
     ]
     nbformat.write(nb, path)
 
@@ -283,6 +287,72 @@ def _run_cell(page, index: int) -> None:
     page.keyboard.press("Shift+Enter")
 
 
+def _summary_figure(cell, key: str) -> str:
+    """A figure as wb.Run._repr_html_ shows it in the cell's output (its table row `key`)."""
+    return cell.locator(f".jp-OutputArea-output tr:has(th:text-is('{key}')) td").first.inner_text().strip()
+
+
+def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> None:
+    """Two finished runs: the summary, the sidebar and the status bar show the same figures (to
+    the digit shown); the sidebar compares them and exports a run's history as CSV."""
+    from playwright.sync_api import expect
+
+    cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
+    summaries = {}
+    for index, source in ((3, "first = %replicate"), (4, "second = %replicate")):
+        cell = cells.filter(has_text=source)  # the template cell inserted above moved them down
+        cell.locator(".jp-InputPrompt").click()
+        page.keyboard.press("Shift+Enter")
+        expect(cell.locator(".jp-OutputArea-output tr:has(th:text-is('status')) td")).to_have_text("finished")
+        summaries[index] = {
+            key: _summary_figure(cell, key) for key in ("run", "steps", "steps_per_sec", "examples_per_sec")
+        }
+        if index == 3:  # the live dashboard's final figure and title, under the summary
+            expect(cell.locator(".jp-OutputArea-output img").first).to_be_visible()
+            cell.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / "dashboard-in-notebook.png"))
+    first, second = summaries[3], summaries[4]
+    assert (first["steps"], second["steps"]) == ("3000", "2000"), (first, second)  # counted per run
+
+    # The sidebar's card of each run shows the summary's figures; the status bar the last run's.
+    for figures in (first, second):
+        card = sidebar.locator(f".wb-run[data-run-id='{figures['run']}']")
+        steps = f"{int(figures['steps']):,}"
+        expect(card.locator(".wb-run-step")).to_have_text(f"step {steps} / {steps}")
+        expect(card.locator(".wb-run-rate")).to_have_text(f"{figures['steps_per_sec']} steps/s")
+        expect(card.locator(".wb-run-throughput")).to_have_text(f"{figures['examples_per_sec']} examples/s")
+    expect(status).to_have_text(re.compile(rf": {re.escape(second['steps_per_sec'])} steps/s$"))
+
+    # The run store's table: pick both, Compare: one figure, one table with the same figures.
+    table = sidebar.locator(".wb-runs-table")
+    for figures in (first, second):
+        table.locator(f".wb-stored-run[data-run-id='{figures['run']}'] .wb-pick-run").check()
+    compare = sidebar.locator(".wb-compare")
+    expect(compare).to_have_text("Compare (2)")
+    compare.click()
+    view = page.locator(".wb-compare-view")
+    expect(view.locator("img")).to_be_visible()
+    assert view.locator("img").evaluate("img => img.naturalWidth") > 400
+    for figures in (first, second):
+        row = view.locator(f"tr[data-run-id='{figures['run']}']")
+        expect(row.locator("td[data-key=steps_per_sec]")).to_have_text(figures["steps_per_sec"])
+        expect(row.locator("td[data-key=examples_per_sec]")).to_have_text(figures["examples_per_sec"])
+    page.screenshot(path=str(SCREENSHOTS / "compare.png"))
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
+
+    # Export the second run's history as CSV from its card: every step, counted from 1.
+    card = sidebar.locator(f".wb-run[data-run-id='{second['run']}']")
+    with page.expect_download() as download:
+        card.locator(".wb-export-csv").click()
+    saved = tmp_path / download.value.suggested_filename
+    download.value.save_as(saved)
+    lines = saved.read_text().splitlines()
+    assert lines[0].startswith("step,wall_time,examples_per_sec") and len(lines) == 2001, lines[:2]
+    assert saved.name == f"{second['run']}-history.csv"
+    sidebar.scroll_into_view_if_needed()
+    page.screenshot(path=str(SCREENSHOTS / "sidebar-runs-table.png"))
+
+
 def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
     _require_browser()
     from playwright.sync_api import expect, sync_playwright
@@ -303,7 +373,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 page = browser.new_page(viewport={"width": 1440, "height": 900})
                 page.set_default_timeout(WAIT_MS)
                 page.goto(f"{base}/lab/tree/replicate.ipynb?reset&token={token}")
-                expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(3)
+                expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(5)
                 # The kernel is up, the workbench not loaded yet: the sidebar says how to load it.
                 page.locator(".wb-toolbar-sidebar").first.click()
                 sidebar = page.locator(".wb-sidebar")
@@ -331,13 +401,17 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 assert second > first > 0, (first, second)
                 expect(running.locator(".wb-run-loss")).to_have_text(re.compile(r"^loss \d"))
                 expect(running.locator(".wb-run-throughput")).to_have_text(re.compile(r"[\d,.]+ examples/s$"))
+                expect(running.locator(".wb-run-eta")).to_have_text(re.compile(r"^ETA \d+ (h|min|s)"))
                 page.screenshot(path=str(SCREENSHOTS / "sidebar-running.png"))
 
                 # Stop (a background run: a comm message to the kernel).
                 running.locator(".wb-stop").click()
                 stopped = sidebar.locator(".wb-run[data-status=stopped]")
                 expect(stopped).to_have_count(1)
-                expect(status).to_have_text("Replicator: mirrored \u00b7 2 replicas")  # no run, no rate
+                # No run trains: the session's replicator and the last run's steps/s.
+                expect(status).to_have_text(
+                    re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 run \d+: [\d,.]+ steps/s$")
+                )
                 assert _step(stopped) >= second
                 (record,) = (tmp_path / "runs").glob("*/config.json")
                 assert json.loads(record.read_text())["status"] == "stopped"  # the kernel's own record
@@ -355,8 +429,10 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 expect(running).to_have_count(1)
                 expect(status).to_have_text(re.compile(r"[\d,.]+ steps/s$"))
                 page.locator(".wb-toolbar-stop").first.click()
-                expect(sidebar.locator(".wb-run[data-status=interrupted]")).to_have_count(1)
                 expect(running).to_have_count(0)
+                expect(sidebar.locator(".wb-run[data-status=stopped]")).to_have_count(
+                    2
+                )  # one word for a stop
 
                 # The template command inserts a %%replicate cell with input_fn and step_fn.
                 cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
@@ -377,6 +453,9 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 expect(items.filter(has_text="Open the Replicator Sidebar")).to_have_count(1)
                 items.filter(has_text="Dashboard Figure").click()
                 expect(page.locator(".lm-TabBar-tab", has_text="run 2 dashboard")).to_have_count(1)
+                page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
+
+                _finished_runs_agree_and_compare(page, sidebar, status, tmp_path)
             finally:
                 browser.close()
     finally:
@@ -388,3 +467,11 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
             server.kill()
             server.wait(timeout=10)
         _kill(kernels)  # whatever outlived the server
+
+
+def test_scaling_study_runs_form_one_group_in_the_sidebar():
+    from workbench._src.labcomm import study_group
+
+    assert study_group("scaling weak n=4") == ("scaling weak", False)
+    assert study_group("scaling strong n=2 warm-up") == ("scaling strong", True)
+    assert study_group("run 3") == (None, False)

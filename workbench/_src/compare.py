@@ -134,7 +134,7 @@ def _figure(runs: list[_Loaded]):
         label = f"{run.name} ({run.config.get('backend', '?')} x {run.config.get('num_replicas', '?')})"
         if "loss" in h:
             loss = h["loss"].to_numpy(dtype=float)
-            ax_loss.plot(step, loss, lw=0.7, alpha=0.3, color=f"C{i}")
+            # Smoothed only: the raw per-step noise of several runs would hide each other.
             ax_loss.plot(step, _smooth(loss), lw=1.8, color=f"C{i}", label=label)
             finite = loss[np.isfinite(loss)]
             if finite.size:

@@ -168,9 +168,11 @@ function activate(
     }
   }
 
+  /** A run started or ended since the last snapshot: the run store's table changed. */
   function newlyEnded(before: ISnapshot | null, after: ISnapshot | null): boolean {
-    const ended = (s: ISnapshot | null) => (s?.runs ?? []).filter(r => r.ended !== null).length;
-    return ended(after) !== ended(before);
+    const key = (s: ISnapshot | null) =>
+      (s?.runs ?? []).map(r => `${r.id}:${r.ended === null ? 'open' : 'ended'}`).join(',');
+    return key(after) !== key(before);
   }
 
   /** A long run ended: tell the user even when the notebook is not what they look at. */

@@ -130,7 +130,9 @@ export class ReplicatorSidebar extends Widget {
 
   private renderStore(): void {
     const store = this._store;
-    store.replaceChildren(el('h3', 'wb-section-title', 'Run store (wb.runs())'));
+    const title = el('h3', 'wb-section-title', 'Run store');
+    title.title = 'Every run recorded in the runs directory: wb.runs() in the notebook';
+    store.replaceChildren(title);
     const tools = el('div', 'wb-store-tools');
     const filter = document.createElement('select');
     filter.className = 'wb-filter-backend';
@@ -199,7 +201,9 @@ export class ReplicatorSidebar extends Widget {
       tr.title = `${row.id} \u00b7 ${row.status ?? ''}`;
       table.append(tr);
     }
-    store.append(table);
+    const scroller = el('div', 'wb-runs-scroll');
+    scroller.append(table);
+    store.append(scroller);
     if (!this._storedRows.length) {
       store.append(el('div', 'wb-empty', 'No recorded run yet.'));
     }
