@@ -22,7 +22,6 @@ from workbench._src.backends.tpu import TpuReplicator
 from workbench._src.batchnorm import CrossReplicaBatchNorm
 from workbench._src.batchnorm_report import BatchNormReport, batchnorm_report
 from workbench._src.compare import Comparison, compare_runs
-from workbench._src.compare import Comparison, compare_runs
 from workbench._src.errors import (
     ConfigurationError,
     DeviceError,
@@ -41,7 +40,6 @@ from workbench._src.numerics import compare_numerics, plot_numerics
 from workbench._src.replicator import Replicator
 from workbench._src.run import Event, Run
 from workbench._src.runhistory import delete_runs
-from workbench._src.runhistory import delete_runs
 from workbench._src.scaling import ScalingStudy, scaling_study
 from workbench._src.tf_setup import configure_devices, device_summary
 
@@ -49,7 +47,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchNormReport",
-    "Comparison",
     "Comparison",
     "ConfigurationError",
     "CrossReplicaBatchNorm",
@@ -77,10 +74,8 @@ __all__ = [
     "check_loss_scaling",
     "compare_numerics",
     "compare_runs",
-    "compare_runs",
     "configure_devices",
     "current",
-    "delete_runs",
     "delete_runs",
     "device_summary",
     "load_ipython_extension",
