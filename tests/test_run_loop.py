@@ -81,9 +81,12 @@ def test_finite_input_ends_the_run_cleanly():
     def input_fn(ctx):
         return tf.data.Dataset.from_tensor_slices(tf.ones([24, 1])).batch(4)
 
-    run = repl.train(lambda b: {"s": tf.reduce_sum(b)}, input_fn, steps=100)
+    # A finite dataset that runs out before `steps` ends the run cleanly, and says so: how many
+    # steps ran, why, and the fix.
+    with pytest.warns(RuntimeWarning, match=r"input exhausted after 6 of 100 steps.*Fix: add \.repeat\(\)"):
+        run = repl.train(lambda b: {"s": tf.reduce_sum(b)}, input_fn, steps=100)
     assert run.status == "finished" and run.steps == 6
-    assert run.stop_reason == "input exhausted after step 6"
+    assert run.stop_reason.startswith("input exhausted after 6 of 100 steps")
 
 
 def test_background_run_stops_at_a_step_boundary():
@@ -110,7 +113,8 @@ def test_ctrl_c_stops_the_run_and_returns_it():
     timer.start()
     run = repl.train(lambda b: {"v": tf.reduce_mean(b)}, counting_input, steps=10**7)
     timer.cancel()
-    assert run.status == "interrupted" and run.steps > 0
+    assert run.status == "stopped" and run.steps > 0
+    assert run.stop_reason == f"interrupted at step {run.steps}"
     assert list(run.history["v"]) == list(range(run.steps))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
 
@@ -328,3 +332,56 @@ def test_the_optimizer_build_retrace_logs_no_coordinator_error_but_real_errors_s
     finally:
         logger.removeHandler(records)
         logger.setLevel(level)
+
+
+# ----- faults end the run, never hang it -------------------------------------------------------------
+def bad_batch_at_step_45(ctx):
+    """44 global batches of 4 rows, then one of 3 (not divisible by 2 replicas), repeated."""
+    return tf.data.Dataset.range(44 * 4 + 3).map(lambda i: tf.cast(i, tf.float32)[None]).batch(4).repeat()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failing_step_ends_the_run_and_the_error_carries_its_history(background):
+    repl = wb.replicator("mirrored", num_replicas=2)
+    step = lambda b: {"v": tf.reduce_mean(b)}  # noqa: E731
+    run = None
+    with pytest.raises(wb.InputError, match="does not divide evenly") as info:
+        run = repl.train(step, bad_batch_at_step_45, steps=100, steps_per_execution=1, background=background)
+        run.wait(timeout=120)
+    run = info.value.run
+    assert run is not None and run.status == "failed" and run.ended
+    assert list(run.history["step"]) == list(range(1, 45))  # every step before the failing one
+    assert "InputError" in run.stop_reason
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_unusable_checkpoint_dir_is_refused_before_the_first_step(tmp_path, background):
+    repl = wb.replicator("mirrored", num_replicas=2)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for where in (a_file, a_file / "below-a-file"):
+        with pytest.raises(
+            wb.ConfigurationError, match=r"checkpoint_dir .*Fix: pass checkpoint_dir= a folder"
+        ):
+            repl.train(lambda b: {"v": tf.reduce_mean(b)}, counting_input, steps=5,
+                       checkpoint_dir=where, background=background)  # fmt: skip
+
+
+def test_resume_false_starts_from_the_variables_as_they_are(tmp_path):
+    repl = wb.replicator("mirrored", num_replicas=2)
+    with repl.context():
+        counter = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def step(batch):
+        counter.assign_add(1.0)
+        return {"counter": tf.identity(counter)}
+
+    repl.train(step, counting_input, steps=5, checkpoint_dir=tmp_path)
+    counter.assign(100.0)
+    again = repl.train(step, counting_input, steps=2, checkpoint_dir=tmp_path, resume=False)
+    assert list(again.history["counter"]) == [101.0, 102.0]  # not restored to 5
+    resumed = wb.replicator("mirrored", num_replicas=2)
+    with resumed.context():
+        counter = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    run = resumed.train(step, counting_input, steps=1, checkpoint_dir=tmp_path)  # resume=True
+    assert run.history["counter"].iloc[0] == 103.0  # restored from the save at step 7 (102), +1

@@ -77,6 +77,8 @@ class Run:
         self.started_at: float | None = None
         self.ended_at: float | None = None
         self.compile_seconds: float | None = None
+        # Processes a launched run started: {"role", "index", "pid"} each (empty in one process).
+        self.processes: list[dict] = []
         self._columns: dict[str, list] = {}
         self._rows = 0
         self._sinks: list[Callable[[Event], Any]] = []

@@ -141,6 +141,8 @@ class Launcher:
             for task in tasks:
                 group.start(task.role, task.index, WORKER_MODULE, {**channel.env(), **task.env})
             self.last_processes = [{"role": c.role, "index": c.index, "pid": c.pid} for c in group.children]
+            if run is not None:
+                run.processes = self.last_processes  # the same list: a coordinator's servers join it
             return watch.follow()
         finally:
             group.stop(grace=1.0)  # MWMS ignores SIGTERM: the SIGKILL after the grace does it

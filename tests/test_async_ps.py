@@ -1,0 +1,199 @@
+"""async-ps end to end, and what every local cluster must show: real parameter servers, workers and
+coordinator processes on this machine, no mocks.
+
+The coordinator runs in a process the launcher starts, never in this (the test's, the kernel's)
+process, so these tests run in the ordinary pytest process. Each check looks only at the
+processes the run started (run.processes), never at the whole machine.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_network_isolation import connect_error, host_addresses
+from test_process_backends import (  # noqa: F401 - no_orphans is an autouse fixture
+    PROCESS_CELL,
+    make_model,
+    no_orphans,
+    notebook,
+    process_pid,
+    regression_input_fn,
+    regression_model_and_step,
+    regression_setup,
+    wait_for_steps,
+)
+
+import workbench as wb
+
+
+def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
+    run = repl.train_cell(
+        "model, step_fn = regression_model_and_step(repl, lr=0.1)\ninput_fn = regression_input_fn",
+        {"regression_model_and_step": regression_model_and_step, "regression_input_fn": regression_input_fn},
+        steps=3,
+        steps_per_execution=1,
+    )
+    reference = wb.NonReplicator()
+    with reference.context():
+        ref_model, ref_step = regression_model_and_step(reference, lr=0.1)
+    ref_run = reference.train(ref_step, regression_input_fn, steps=3, steps_per_execution=1)
+    np.testing.assert_allclose(run.history["loss"], ref_run.history["loss"], atol=1e-5)
+    assert run.executed_steps == 3 and run.config["synchronous"] is False
+    with pytest.raises(wb.ConfigurationError, match="single, mirrored, multi-worker, tpu"):
+        repl.all_sum(1.0)
+    del ref_model
+
+
+def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    run = repl.train(setup=regression_setup, steps=1500, steps_per_execution=5, background=True)
+    wait_for_steps(run, 100)
+    os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
+    run.wait(timeout=240)
+    assert run.status == "finished", run.stop_reason
+    history = run.history
+    assert run.steps == 1500 and list(history["step"]) == list(range(1, 1501))
+    assert run.executed_steps >= 1500  # at-least-once: lost chunks run again
+    lost = [e for e in run.events if e.kind == "message" and "worker 1" in e.data.get("text", "")]
+    assert lost and "killed by SIGKILL" in lost[0].data["text"]
+    assert history["workers"].iloc[0] == 2 and history["workers"].iloc[-1] == 1
+    assert np.isfinite(history["loss"]).all()
+
+
+def test_async_ps_every_worker_killed_fails_within_seconds_with_the_history():
+    run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1).train(
+        setup=regression_setup, steps=10**7, steps_per_execution=5, background=True
+    )
+    wait_for_steps(run, 50)
+    for index in (0, 1):
+        os.kill(process_pid(run, "worker", index), signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(wb.WorkerError, match="every async-ps worker has died") as info:
+        run.wait(timeout=60)
+    assert time.monotonic() - killed < 15
+    assert info.value.run is run and run.status == "failed"
+    assert len(run.history) == run.steps >= 50  # the history up to the failure is kept
+
+
+def test_async_ps_killed_parameter_server_fails_fast_and_checkpoint_restores(tmp_path):
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    run = repl.train(
+        setup=regression_setup, steps=1_000_000, steps_per_execution=5,
+        checkpoint_dir=tmp_path, checkpoint_every=50, background=True,
+    )  # fmt: skip
+    wait_for_steps(run, 160)
+    os.kill(process_pid(run, "ps", 0), signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(
+        wb.WorkerError, match=r"parameter server 0 .* killed by SIGKILL.*last checkpoint"
+    ) as info:
+        run.wait(timeout=60)
+    assert time.monotonic() - killed < 10
+    assert info.value.run is run and len(run.history) == run.steps
+    saved_step = int(tf.train.latest_checkpoint(str(tmp_path)).rsplit("-", 1)[1])
+    assert saved_step >= 50 and saved_step % 50 == 0
+    fresh = wb.NonReplicator()
+    with fresh.context():
+        _, fresh_step = regression_model_and_step(fresh)
+    resumed = fresh.train(fresh_step, regression_input_fn, steps=5, checkpoint_dir=tmp_path)
+    texts = [e.data.get("text", "") for e in resumed.events if e.kind == "message"]
+    assert any(f"resumed from checkpoint at step {saved_step}" in t for t in texts)
+    assert int(resumed.history["step"].iloc[0]) == saved_step + 1
+
+
+def test_async_ps_parameter_server_killed_while_checkpointing_is_a_worker_error(tmp_path):
+    # A checkpoint at every step: most of the run's time is spent saving, so the kill lands in a
+    # save (or between two); either way the run ends with the same WorkerError and its history.
+    run = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1).train(
+        setup=regression_setup, steps=10**6, steps_per_execution=1,
+        checkpoint_dir=tmp_path, checkpoint_every=1, background=True,
+    )  # fmt: skip
+    wait_for_steps(run, 20)
+    os.kill(process_pid(run, "ps", 0), signal.SIGKILL)
+    with pytest.raises(wb.WorkerError, match=r"parameter server 0 .* killed by SIGKILL") as info:
+        run.wait(timeout=60)
+    assert info.value.run is run and len(run.history) == run.steps >= 20
+
+
+def test_replicate_cell_on_async_ps_trains_in_its_processes(notebook):  # noqa: F811 - the fixture
+    run = notebook.run_cell_magic(
+        "replicate", "--backend async-ps --workers 2 --ps 1 --steps 200 --no-live", PROCESS_CELL
+    )
+    assert run.status == "finished" and run.steps == 200 and run.executed_steps >= 200
+    assert run.config["synchronous"] is False and set(run.history["workers"]) == {2}
+    assert run.history["loss"].iloc[-10:].mean() < 0.1 * run.history["loss"].iloc[:10].mean()
+    # The trained weights came back into the cell's model in the notebook...
+    x = notebook.user_ns["features"][:64]
+    y = notebook.user_ns["targets"][:64]
+    loss_here = float(np.mean((notebook.user_ns["model"](x).numpy() - y) ** 2))
+    assert loss_here < 0.5 * run.history["loss"].iloc[0]
+    # ...and this process never joined a cluster: its TensorFlow job is still 'localhost', and
+    # a later mirrored run works here.
+    assert "/job:localhost/" in tf.constant(1.0).device
+    mirrored = wb.replicator("mirrored", num_replicas=2)
+    with mirrored.context():
+        _, step_fn = regression_model_and_step(mirrored)
+    assert mirrored.train(step_fn, regression_input_fn, steps=5).status == "finished"
+
+
+# ----- no open doors: every process a local run starts is reachable from this machine only -------------
+@pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
+def test_local_cluster_listens_on_loopback_only_and_refuses_the_host_address(backend):
+    from workbench._src.launch import netns
+
+    repl = wb.replicator(backend, num_workers=2)
+    run = repl.train(setup=regression_setup, steps=10**7, background=True)
+    try:
+        wait_for_steps(run, 20)
+        expected = {"multi-worker": 2, "async-ps": 4}[backend]  # async-ps: coordinator, 2 workers, 1 ps
+        wait = time.monotonic() + 30
+        while len(run.processes) < expected and time.monotonic() < wait:
+            time.sleep(0.1)
+        pids = [p["pid"] for p in run.processes]
+        assert len(pids) == expected, run.processes
+        ours = os.readlink("/proc/self/ns/net")
+        listening = set()
+        for pid in pids:
+            assert os.readlink(f"/proc/{pid}/ns/net") != ours  # a private network namespace
+            assert netns.interfaces(pid) == ["lo"]
+            assert netns.exposed_sockets(pid) == []  # nothing reachable from another address
+            listening |= {port for _, port in netns.listening_sockets(pid)}
+        assert len(listening) >= 2, listening  # the gRPC servers are there, inside
+        for port in listening:
+            for host in [*host_addresses(), "127.0.0.1"]:
+                assert connect_error(host, port) == errno.ECONNREFUSED, f"{host}:{port} accepted"
+    finally:
+        run.stop()
+        run.wait(timeout=120)
+    assert run.status == "stopped"
+
+
+def test_unusable_checkpoint_dir_is_refused_before_any_process_starts(tmp_path):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    started = time.monotonic()
+    for repl in (wb.MultiWorkerReplicator(num_workers=2), wb.MultiWorkerAsyncReplicator(num_workers=1)):
+        with pytest.raises(wb.ConfigurationError, match="checkpoint_dir") as info:
+            repl.train(setup=regression_setup, steps=5, checkpoint_dir=a_file)
+        assert str(a_file) in str(info.value)
+    assert time.monotonic() - started < 5  # refused here, not after starting workers
+
+
+def test_kernel_model_cannot_travel_and_the_error_says_so():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=1)
+    model = make_model()
+
+    def step_fn(x, y):
+        return {"loss": tf.reduce_mean(model(x))}
+
+    with pytest.raises(wb.ConfigurationError, match=r"TensorFlow state.*setup=build"):
+        repl.train(step_fn, regression_input_fn, steps=5)
+    with pytest.raises(wb.ConfigurationError, match="no strategy"):
+        repl.strategy  # noqa: B018
