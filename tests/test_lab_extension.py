@@ -214,8 +214,7 @@ def _write_notebook(path: Path) -> None:
     nb.cells = [
         nbformat.v4.new_code_cell("%load_ext workbench"),
         nbformat.v4.new_code_cell(
-            "%%replicate --backend mirrored --replicas 2 --steps 100000000 --background --no-live\n"
-            + TOY_CELL.strip()
+            "%%replicate --backend mirrored --replicas 2 --steps 100000000 --background\n" + TOY_CELL.strip()
         ),
         nbformat.v4.new_code_cell("fg = %replicate step_fn input_fn --steps 100000000 --no-live"),
         # Two finished runs of the same model (the second starts at the program's step 3001),
@@ -403,6 +402,17 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 expect(running.locator(".wb-run-throughput")).to_have_text(re.compile(r"[\d,.]+ examples/s$"))
                 expect(running.locator(".wb-run-eta")).to_have_text(re.compile(r"^ETA \d+ (h|min|s)"))
                 page.screenshot(path=str(SCREENSHOTS / "sidebar-running.png"))
+                # The live dashboard under the background cell: its Stop button is not cut short
+                # ("S..."), its figure draws (no broken-image icon before).
+                dashboard = (
+                    page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea-output .widget-vbox").first
+                )
+                stop_button = dashboard.locator(".widget-button", has_text="Stop")
+                expect(stop_button).to_be_visible()
+                assert stop_button.evaluate("b => b.scrollWidth <= b.clientWidth"), "the Stop label is cut"
+                expect(dashboard.locator("img")).to_be_visible()
+                dashboard.scroll_into_view_if_needed()
+                page.screenshot(path=str(SCREENSHOTS / "dashboard-running.png"))
 
                 # Stop (a background run: a comm message to the kernel).
                 running.locator(".wb-stop").click()

@@ -192,3 +192,26 @@ def test_one_truth_summary_run_store_and_runs_table_agree(runs_dir, toy):
 
     assert wb.delete_runs([a.id]) == [a.id] and wb.runs()["id"].tolist() == [b.id]
     assert not (runs_dir / a.id).exists()
+
+
+def test_replicate_tensorboard_points_at_the_run_store_event_files(runs_dir, toy):
+    """`%replicate --tensorboard [RUN]`: the run's tb/ folder (written by the store), through
+    IPython's %tensorboard; without the tensorboard package, a UsageError saying how to get it."""
+    import importlib.util
+
+    from IPython.core.error import UsageError
+    from notebook_toy import ipython_shell
+
+    from workbench._src.tensorboard_view import logdir_for
+
+    run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=5)
+    assert logdir_for("latest") == logdir_for(run.id) == runs_dir / run.id / "tb"
+    assert logdir_for("all") == runs_dir and any((runs_dir / run.id / "tb").iterdir())
+    ip = ipython_shell()
+    with pytest.raises(UsageError, match=r"No recorded run 'nope'"):
+        ip.run_line_magic("replicate", "--tensorboard nope")
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(
+            UsageError, match=rf"TensorBoard is not installed.*{run.id}/tb.*pip install tensorboard"
+        ):
+            ip.run_line_magic("replicate", "--tensorboard")

@@ -203,7 +203,8 @@ class Dashboard:
             self._show_final(summary, title)
         elif self.frontend == "widgets" and len(columns.get("step", ())) > 1 and now >= self._next_plot:
             t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
-            self.png = figure.render(columns, title)
+            live_title = figure.title_for(self.config, self.status, columns, self.name, numbers=False)
+            self.png = figure.render(columns, live_title)  # the header above carries the numbers
             self._image.value = self.png
             self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
             cost = time.thread_time() - t0

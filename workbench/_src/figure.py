@@ -76,13 +76,19 @@ def summarize(columns: dict, running: bool = False, target_steps: int | None = N
     return out
 
 
-def title_for(config: dict, status: str, columns: dict, name: str = "", target: int | None = None) -> str:
+def title_for(
+    config: dict, status: str, columns: dict, name: str = "", target: int | None = None, numbers: bool = True
+) -> str:
     """'run 3 · mirrored x 4 · finished · step 300/300 · 812 steps/s · 103,936 examples/s'.
 
-    Steps count from the run's start; `target` is the steps the run was asked for.
+    Steps count from the run's start; `target` is the steps the run was asked for. numbers=False
+    leaves out the step and the rates (the live figure: drawn less often than the header above
+    it refreshes, it would show older numbers beside newer ones).
     """
-    fig = figures(columns, running=status == "running", target_steps=target)
     parts = [name or "run", f"{config.get('backend', '?')} x {config.get('num_replicas', '?')}", status]
+    if not numbers:
+        return " \u00b7 ".join(parts)
+    fig = figures(columns, running=status == "running", target_steps=target)
     if fig["steps"]:
         parts.append(f"step {fig['steps']:,}" + (f"/{target:,}" if target else ""))
     if fig["steps_per_sec"] is not None:
@@ -115,7 +121,8 @@ class Plotter:
         panels = names + ["examples/s"]
         cols = min(3, len(panels))
         rows = math.ceil(len(panels) / cols)
-        fig = Figure(figsize=(3.6 * cols, 2.5 * rows + 0.35), dpi=DPI)
+        # At least 9 inches wide: the title (run, backend, status, step, steps/s, examples/s) fits.
+        fig = Figure(figsize=(max(9.0, 3.6 * cols), 2.5 * rows + 0.35), dpi=DPI)
         FigureCanvasAgg(fig)
         # Fixed margins instead of tight/constrained layout, which would double every redraw.
         top = 1 - 0.35 / (2.5 * rows + 0.35) - 0.08 / rows
