@@ -225,7 +225,7 @@ class Replicator:
             runs inside repl.context()) and returns (step_fn, input_fn). For backends whose
             steps run in other processes it travels there (pickled by value) and runs in each.
           warmup: steps run first, untimed and unrecorded (they absorb tracing).
-          **options: see `workbench._src.run_loop.RunOptions` (steps_per_execution, reduce,
+          **options: see `workbench._src.run_options.RunOptions` (steps_per_execution, reduce,
             checkpoint_dir, checkpoint, checkpoint_every, resume, on_nonfinite, background,
             sinks, name).
         """

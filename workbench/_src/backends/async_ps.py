@@ -30,16 +30,11 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import threading
 import time
 import weakref
 
-import numpy as np
-
-from workbench._src.errors import ConfigurationError, InputError, WorkerError, check_positive_int
+from workbench._src.errors import ConfigurationError, WorkerError, check_positive_int
 from workbench._src.launch import runtime
-from workbench._src.program import Program, call_compiled
 from workbench._src.replicator import Replicator
 from workbench._src.tf_setup import tf
 
@@ -320,6 +315,8 @@ class MultiWorkerAsyncReplicator(Replicator):
     def _program(self, step_fn, input_fn):
         key = (step_fn, input_fn)
         if key not in self._programs:
+            from workbench._src.backends.async_coordinator import AsyncProgram
+
             self._programs[key] = AsyncProgram(self, step_fn, input_fn)
         return self._programs[key]
 
@@ -330,170 +327,6 @@ class MultiWorkerAsyncReplicator(Replicator):
         return [self._program(step_fn, input_fn).run_one()]
 
     def _executor(self, program):
+        from workbench._src.backends.async_coordinator import CoordinatorExecutor
+
         return CoordinatorExecutor(program)
-
-
-class AsyncProgram(Program):
-    """A (step_fn, input_fn) pair traced on the coordinator and scheduled on the workers."""
-
-    def __init__(self, replicator, step_fn, input_fn):  # noqa: D107 - Program's, minus its input
-        if not callable(step_fn):
-            Program(replicator, step_fn, input_fn)  # raises its clear error
-        self.replicator, self.step_fn, self.input_fn = replicator, step_fn, input_fn
-        self.steps_done = 0
-        self.fused_traced = False
-        self.metric_names = None
-        t = tf()
-        strategy = replicator.strategy
-        coordinator = replicator.coordinator
-        from workbench._src.inputs import InputContext, call_input_fn
-
-        ctx = InputContext(None, replicator.num_workers, 0, replicator.num_workers, 1)
-
-        def dataset_fn(_input_context):
-            return call_input_fn(input_fn, ctx)
-
-        def per_worker_dataset_fn():
-            return strategy.distribute_datasets_from_function(dataset_fn)
-
-        self.iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
-        self._one_step = t.function(self._one_step_graph)
-        self._fused = t.function(self._fused_graph)
-
-    def _one_step_graph(self, iterator):
-        t = tf()
-        outputs = self.replicator.strategy.run(self.call_step_fn, args=(next(iterator),))
-        self.replicator.executed_steps.assign_add(1)
-        return t.nest.map_structure(lambda v: v, outputs)
-
-    def _step_taken(self):
-        self.replicator.executed_steps.assign_add(1)  # our exact count, on a parameter server
-
-    def schedule(self, n: int):
-        t = tf()
-        coordinator = self.replicator.coordinator
-        return call_compiled(
-            lambda it, k: coordinator.schedule(self._fused, args=(it, k)), self.iterator, t.constant(n)
-        )
-
-    def run_one(self):
-        coordinator = self.replicator.coordinator
-        remote = call_compiled(lambda it: coordinator.schedule(self._one_step, args=(it,)), self.iterator)
-        self.steps_done += 1
-        return tf().nest.map_structure(lambda v: v, remote.fetch())
-
-
-class CoordinatorExecutor:
-    """The run loop's executor on the coordinator: chunks scheduled on whichever worker is free,
-    up to two per worker in flight, fetched in order as they return."""
-
-    rate_window_seconds = 1.0  # results return in bursts (several workers finish together)
-    replicas_per_step = 1  # a step is one worker's
-
-    def __init__(self, program):
-        self.program, self.repl = program, program.replicator
-        self.max_in_flight = 2 * self.repl.num_workers
-        self.run = None
-
-    def start(self, run) -> None:
-        self.run = run
-        self.executed_before = int(self.repl.executed_steps.numpy())
-
-    def agree(self, k: int, stop: bool) -> tuple[int, bool]:
-        return k, stop
-
-    def submit(self, k: int):
-        return self.program.schedule(k)
-
-    def collect(self, remote):
-        """(rows, steps done) of a scheduled chunk, or None when it was lost with a dead worker.
-
-        The fetch blocks in TensorFlow (for as long as a worker is missing), so it runs on a
-        daemon thread while this one watches the servers: a dead parameter server, or no worker
-        left, ends the run within a fraction of a second instead of never."""
-        box: dict = {}
-        fetched = threading.Event()
-
-        def fetch():
-            try:
-                box["value"] = remote.fetch()
-            except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
-                box["error"] = e
-            finally:
-                fetched.set()
-
-        threading.Thread(target=fetch, name="workbench fetch", daemon=True).start()
-        while not fetched.wait(0.1):
-            self.repl._check_servers(self.run)
-        if "error" in box:
-            return self._lost_or_raise(box["error"])
-        rows, done = box["value"]
-        done = int(done)
-        self.program.steps_done += done
-        self.program.fused_traced = True
-        return np.asarray(rows)[:done], done
-
-    def _lost_or_raise(self, error):
-        self.repl._check_servers(self.run)  # a dead server explains a fetch failure best
-        t = tf()
-        lost = (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)
-        if isinstance(error, lost) and self.repl.group is not None:
-            # Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
-            # mid-transfer can still fail like this. The PS and a worker are alive (checked above).
-            return None
-        raise _translated_input_error(error) from None
-
-    def parallelism(self) -> int:
-        return max(1, self.repl.live_workers())
-
-    def extra_columns(self) -> dict:
-        return {"workers": self.repl.live_workers()}
-
-    def explain(self, error: BaseException) -> BaseException:
-        """A failure while a server is dying (e.g. during a checkpoint save) is the server's death."""
-        if isinstance(error, WorkerError):
-            return error
-        deadline = time.monotonic() + 2.0  # the exit status of a killed server takes a moment
-        while time.monotonic() < deadline:
-            try:
-                self.repl._check_servers(self.run)
-            except WorkerError as dead:
-                return dead
-            time.sleep(0.1)
-        return error
-
-    def healthy(self) -> bool:
-        try:
-            self.repl._check_servers()
-        except WorkerError:
-            return False
-        return True
-
-    def close(self) -> None:
-        run = self.run
-        if run is None or not self.healthy():
-            return
-        try:
-            run.executed_steps = int(self.repl.executed_steps.numpy()) - self.executed_before
-        except Exception:  # noqa: BLE001 - a server going away now: the history is exact anyway
-            return
-        if run.executed_steps != run.steps:
-            run.publish(
-                "message",
-                text=f"workers executed {run.executed_steps} steps for the {run.steps} in the history: "
-                "parameter-server execution is at-least-once (steps lost with a worker run again)",
-            )
-
-
-def _translated_input_error(error):
-    t = tf()
-    if isinstance(error, t.errors.OutOfRangeError):
-        return InputError(
-            "input_fn's dataset ran out on a worker. Fix: add `.repeat()` to the dataset for as many "
-            "steps as you run."
-        )
-    return error
-
-
-def server_environment_cluster() -> dict:
-    return json.loads(os.environ["WORKBENCH_CLUSTER"])

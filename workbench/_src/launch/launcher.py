@@ -87,7 +87,8 @@ class Launcher:
 
     # ----- a launched run -------------------------------------------------------------------
     def _train(self, work, steps, options, local_variables):
-        from workbench._src.run_loop import drive, new_run, options_from
+        from workbench._src.run_loop import drive, new_run
+        from workbench._src.run_options import options_from
 
         opts = options_from(steps, options)
         work.steps, work.options = steps, opts.for_workers()
