@@ -173,4 +173,3 @@ def _translated_input_error(error):
             "steps as you run."
         )
     return error
-
