@@ -6,7 +6,9 @@ stream and a second `train` continues where the first stopped:
   fused      a tf.while_loop of up to n steps in one call; each step's scalar outputs are packed
              into one vector per replica and summed across replicas in a single reduce, so
              per-step metrics cost one small reduction, not one per metric. n is a tensor: one
-             trace serves every chunk length.
+             trace serves every chunk length. An infinite input (cardinality INFINITE) gets the
+             plain `for i in tf.range(n): strategy.run(step, args=(next(iterator),))` loop; a
+             finite or unknown one checks `get_next_as_optional` each step and stops cleanly.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ BATCH_SIZE_KEY = "__batch_size__"
 
 
 class Program:
+    # The input never runs out (tf.data.INFINITE_CARDINALITY): the fused loop needs no end check.
+    # A class default, so subclasses with their own input (async-ps) keep the checked loop.
+    infinite_input = False
+
     def __init__(self, replicator, step_fn: Callable, input_fn: Callable):
         if not callable(step_fn):
             raise StepFunctionError(
@@ -48,6 +54,7 @@ class Program:
             num_workers=replicator.num_workers,
             worker_id=replicator.worker_id,
         )
+        self.infinite_input = _is_infinite(self.dataset)
         self.iterator = iter(self.dataset)
         # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
         # (reaper.py); when this program is garbage, its iterator is deleted on the reaper thread,
@@ -88,6 +95,15 @@ class Program:
     def _fused_graph(self, iterator, n):
         t = tf()
         strategy = self.replicator.strategy
+        if self.infinite_input:
+            # The loop a TensorFlow expert writes by hand: no end-of-input check in the body.
+            rows = t.TensorArray(t.float32, size=n)
+            for i in t.range(n):
+                per_replica = strategy.run(self._metrics_step, args=(next(iterator),))
+                rows = rows.write(i, strategy.reduce("SUM", per_replica, axis=None))
+                self._step_taken()
+            return rows.stack(), n
+        # A finite (or unknown) input may end inside the chunk: stop there, cleanly.
         rows = t.TensorArray(t.float32, size=0, dynamic_size=True)
         done = t.constant(0)
         for i in t.range(n):
@@ -131,6 +147,21 @@ class Program:
         done = int(done)
         self.steps_done += done
         return rows.numpy()[:done], done
+
+
+def _is_infinite(dataset) -> bool:
+    """True when the distributed dataset reports tf.data.INFINITE_CARDINALITY (e.g. `.repeat()`
+    without a count); unknown or finite cardinality, or no report at all, is False."""
+    try:
+        cardinality = dataset.cardinality
+    except (AttributeError, ValueError):  # not built / not a tf.distribute dataset
+        return False
+    if callable(cardinality):  # a plain tf.data.Dataset
+        cardinality = cardinality()
+    try:
+        return int(cardinality) == int(tf().data.INFINITE_CARDINALITY)
+    except (TypeError, ValueError):
+        return False
 
 
 def call_compiled(function, *args):
