@@ -141,3 +141,29 @@ def test_a_jupyter_interrupt_stops_the_run_at_a_step_boundary(tmp_path, monkeypa
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_async_ps_leaves_the_kernel_clean(tmp_path, monkeypatch):
+    """An async-ps run from a notebook, then plain TensorFlow and a mirrored run in the same kernel:
+    the kernel never joined the cluster, so none of these cells prints an error-level line."""
+    monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))
+    nb = code_cells(
+        PREAMBLE + "\nimport tensorflow as tf\nbefore = tf.Variable(3.0)  # made before the async-ps run",
+        "%%replicate --backend async-ps --workers 2 --ps 1 --steps 60 --no-live\n" + TOY_CELL,
+        "run = _\nprint(run.status, run.steps, run.executed_steps >= 60, float(tf.reduce_sum(w)) != 0.0)",
+        "x = tf.constant([1.0, 2.0])\nprint(float(tf.reduce_sum(x) + before), x.device)",
+        "%%replicate --backend mirrored --replicas 2 --steps 20 --no-live\n" + TOY_CELL,
+        "print(_.status, _.steps)",
+    )
+    client = NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    cells = nb.cells
+    assert outputs(cells[2], "stream")[0].text.split() == ["finished", "60", "True", "True"]
+    text, device = outputs(cells[3], "stream")[0].text.split()
+    assert text == "6.0" and "/job:localhost/" in device  # not renamed to 'chief'
+    assert outputs(cells[5], "stream")[0].text.split() == ["finished", "20"]
+    for index, cell in enumerate(cells[1:], start=1):
+        noisy = [o for o in cell.outputs if o.output_type == "error" or getattr(o, "name", "") == "stderr"]
+        assert not noisy, f"cell {index} printed: {noisy}"
