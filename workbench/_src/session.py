@@ -14,11 +14,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from workbench._src.errors import ConfigurationError
+from workbench._src.backends import BACKENDS
+from workbench._src.errors import ConfigurationError, check_positive_int
 
-# Every backend the design names, in the order the panel shows them; a name missing from the
-# registry (workbench._src.backends.BACKENDS) is "not available yet" rather than unknown.
-KNOWN_BACKENDS = ("single", "mirrored", "multi-worker", "async-ps", "tpu")
+# Every backend, in the order the panel shows them: the one registry's (backends.BACKENDS).
+KNOWN_BACKENDS = tuple(BACKENDS)
 ASYNC_BACKENDS = ("async-ps",)
 WORKER_BACKENDS = ("multi-worker", "async-ps")  # the ones --workers applies to
 PS_BACKENDS = ("async-ps",)  # the ones --ps applies to
@@ -42,23 +42,11 @@ def normalize_backend(name: str) -> str:
     return key
 
 
-def registered(backend: str) -> bool:
-    """Whether the backend exists in this version (process backends arrive with their own issue)."""
-    from workbench._src.backends import BACKENDS
-
-    return backend in BACKENDS
-
-
 def not_available_reason(backend: str) -> str | None:
     """Why `backend` cannot be chosen here and now, or None when it can.
 
     Cheap enough for the panel to call on every redraw: only TPU needs a device listing.
     """
-    if not registered(backend):
-        return (
-            f"the {backend!r} backend is not available in this version of the workbench yet "
-            "(it arrives with the process backends)"
-        )
     if backend == "tpu" and not os.environ.get("TPU_NAME"):
         from workbench._src.tf_setup import tf
 
@@ -95,13 +83,6 @@ def choose(
             backend = (_choice or {}).get("backend") or getattr(_current, "backend", None) or "mirrored"
         backend = normalize_backend(backend)
         _check_counts(backend, num_replicas, num_workers, num_ps)
-        if not registered(backend):
-            raise ConfigurationError(
-                f"The {backend!r} backend is not available in this version of the workbench yet; "
-                f"received backend={backend!r}. It routes through wb.replicator({backend!r}, ...) "
-                "and will work here once that backend lands. Fix: for synchronous replicas on this "
-                "machine use --backend mirrored --replicas N (wb.use('mirrored', num_replicas=N))."
-            )
         choice = {
             "backend": backend,
             "num_replicas": num_replicas,
@@ -284,8 +265,8 @@ def train(
 
 def _check_counts(backend, num_replicas, num_workers, num_ps) -> None:
     for name, value in (("replicas", num_replicas), ("workers", num_workers), ("ps", num_ps)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigurationError(f"--{name} must be a positive integer; received {name}={value!r}.")
+        if value is not None:
+            check_positive_int(f"--{name}", value, fix=f"--{name} 2")
     if num_workers is not None and backend not in WORKER_BACKENDS:
         raise ConfigurationError(
             f"--workers applies to the {' and '.join(WORKER_BACKENDS)} backends; received "
