@@ -205,8 +205,10 @@ def exit_when_parent_dies() -> None:
 def _clean_up_if_orphaned() -> None:
     """Removes the dead parent's folders; only once it is really gone (a live launcher may still
     read the logs for its error message). A dying parent closes its pipes and sockets a moment
-    before its children are handed to a new parent: wait for that, briefly."""
-    deadline = time.monotonic() + 2.0
+    before its children are handed to a new parent; a big process on a busy machine takes a while
+    to get there. A live parent closes neither while we run, so the wait is only paid in the
+    unexpected case of a broken channel."""
+    deadline = time.monotonic() + 10.0
     while os.getppid() == _parent_pid:
         if time.monotonic() > deadline:
             return

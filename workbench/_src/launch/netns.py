@@ -119,7 +119,10 @@ def open_network(label: str = "local cluster", timeout: float = 20.0) -> Private
     try:
         if not sys.platform.startswith("linux"):
             raise _Refused(f"network namespaces are a Linux feature; this is {sys.platform}")
-        network = _make_namespace(timeout)
+        try:
+            network = _make_namespace(timeout)
+        except OSError as error:  # the helper could not even start (no fds, no processes left)
+            raise _Refused(f"cannot start the namespace helper: {error}") from None
     except _Refused as refusal:
         _warn_exposed(label, str(refusal))
         return PrivateNetwork(False, reason=str(refusal))
