@@ -158,8 +158,12 @@ class ParentLink:
         self.send({"type": "hello", "task": self.task, "pid": os.getpid()})
 
     def send(self, message: dict) -> None:
-        with self._lock:
-            self.conn.send(message)
+        try:
+            with self._lock:
+                self.conn.send(message)
+        except OSError:
+            _clean_up_if_orphaned()  # this may be the last thing the process does
+            raise
 
     def recv(self):
         try:
