@@ -145,6 +145,11 @@ def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(
         assert 4 <= len(runs) <= 4 * 4 + 1 and steps == sorted(steps) and steps[-1] > steps[0], steps
         assert runs[-1]["steps_per_sec"] > 0 and runs[-1]["loss"] is not None
         assert runs[-1]["target_step"] == 100000000 and runs[-1]["backend"] == "mirrored"
+        # The figures of workbench/_src/figures.py: examples/s = steps/s x 16 (the toy's batch);
+        # the ETA from the same steps/s.
+        last = runs[-1]
+        assert last["examples_per_sec"] == pytest.approx(last["steps_per_sec"] * 16, rel=1e-2), last
+        assert last["eta_seconds"] == pytest.approx((1e8 - last["step"]) / last["steps_per_sec"], rel=1e-2)
 
         # Stop over the comm (the sidebar's Stop for a background run), then the run's figure.
         run_id = runs[-1]["id"]
@@ -221,6 +226,7 @@ def _write_notebook(path: Path) -> None:
         # each ending with its summary: compared from the sidebar, figures checked against it.
         nbformat.v4.new_code_cell("first = %replicate step_fn input_fn --steps 3000\nfirst"),
         nbformat.v4.new_code_cell("second = %replicate step_fn input_fn --steps 2000 --no-live\nsecond"),
+        nbformat.v4.new_code_cell(SCALING_CELL),
     ]
     nbformat.write(nb, path)
 
@@ -284,6 +290,23 @@ def _run_cell(page, index: int) -> None:
     cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell").nth(index)
     cell.locator(".jp-InputPrompt").click()
     page.keyboard.press("Shift+Enter")
+
+
+SCALING_CELL = """%%replicate --scaling 1,2 --batch-size 16 --steps 40 --warmup 6 --no-live
+import tensorflow as tf, keras
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+opt = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
+
+def input_fn(ctx):
+    x = tf.random.stateless_normal([256, 4], seed=[1, 2])
+    y = tf.reduce_sum(x, axis=1, keepdims=True)
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(ctx.global_batch_size)
+
+def step_fn(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return {"loss": loss}"""
 
 
 def _summary_figure(cell, key: str) -> str:
@@ -372,7 +395,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 page = browser.new_page(viewport={"width": 1440, "height": 900})
                 page.set_default_timeout(WAIT_MS)
                 page.goto(f"{base}/lab/tree/replicate.ipynb?reset&token={token}")
-                expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(5)
+                expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(6)
                 # The kernel is up, the workbench not loaded yet: the sidebar says how to load it.
                 page.locator(".wb-toolbar-sidebar").first.click()
                 sidebar = page.locator(".wb-sidebar")
@@ -466,6 +489,29 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
 
                 _finished_runs_agree_and_compare(page, sidebar, status, tmp_path)
+
+                # A scaling study: one group in the sidebar, one line per configuration (the
+                # warm-up runs hidden), each with its steps/s and examples/s.
+                cell = page.locator(
+                    ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell", has_text="--scaling 1,2"
+                )
+                cell.locator(".jp-InputPrompt").click()
+                page.keyboard.press("Shift+Enter")
+                study = sidebar.locator(".wb-study")
+                expect(study.locator(".wb-section-title")).to_have_text("Scaling study \u00b7 weak")
+                expect(study.locator(".wb-study-line")).to_have_count(2)
+                for line in study.locator(".wb-study-line").all():
+                    expect(line.locator(".wb-run-rate")).to_have_text(re.compile(r"^[\d,.]+ steps/s$"))
+                    expect(line.locator(".wb-run-throughput")).to_have_text(
+                        re.compile(r"^[\d,.]+ examples/s$")
+                    )
+                    expect(line.locator(".wb-run-median")).to_have_text(
+                        re.compile(r"^median step [\d,.]+ examples/s$")
+                    )
+                warmups = sidebar.locator(".wb-run", has_text="warm-up")
+                assert warmups.count() == 0, warmups.all_inner_texts()
+                study.scroll_into_view_if_needed()
+                page.screenshot(path=str(SCREENSHOTS / "sidebar-study.png"))
             finally:
                 browser.close()
     finally:
@@ -485,3 +531,4 @@ def test_scaling_study_runs_form_one_group_in_the_sidebar():
     assert study_group("scaling weak n=4") == ("scaling weak", False)
     assert study_group("scaling strong n=2 warm-up") == ("scaling strong", True)
     assert study_group("run 3") == (None, False)
+    assert study_group("warm-up") == (None, True)  # what repl.train(warmup=N) names its warm-up run

@@ -242,12 +242,15 @@ def _export(run_id: str, what: str) -> dict:
 
 
 def study_group(name: str) -> tuple[str | None, bool]:
-    """('scaling weak', is_warmup) for a scaling study's runs ('scaling weak n=2 warm-up'), else
-    (None, False): the sidebar shows a study as one group, one line per configuration."""
+    """(group, is_warmup) from a run's name: a scaling study's runs ('scaling weak n=2') share
+    the group 'scaling weak', shown as one sidebar group with a line per configuration; warm-up
+    runs ('warm-up', 'scaling weak n=2 warm-up': untimed, they absorb tracing) are not shown once
+    they ended."""
     import re
 
+    warmup = name == "warm-up" or name.endswith(" warm-up")
     match = re.fullmatch(r"(scaling \w+) n=\d+( warm-up)?", name)
-    return (match.group(1), bool(match.group(2))) if match else (None, False)
+    return (match.group(1) if match else None), warmup
 
 
 # ----- the session and the runs ------------------------------------------------------------

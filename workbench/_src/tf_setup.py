@@ -117,8 +117,8 @@ def configure_devices(cpus: int | None = None) -> dict:
 
     Example:
       >>> import workbench as wb
-      >>> wb.configure_devices(cpus=4)["virtual_cpus"]
-      4
+      >>> wb.configure_devices(cpus=8)["virtual_cpus"]
+      8
     """
     global _requested_cpus
     if cpus is not None and (not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1):

@@ -102,7 +102,7 @@ export class ReplicatorSidebar extends Widget {
         active.length ? active.map(r => this.runRow(r)) : [el('div', 'wb-empty', 'No run is training.')]
       )
     );
-    const plain = recent.filter(r => !r.group);
+    const plain = recent.filter(r => !r.group && !r.warmup); // ended warm-ups: untimed, not shown
     if (plain.length) {
       root.append(this.section('Recent runs', plain.map(r => this.runRow(r))));
     }
@@ -112,7 +112,7 @@ export class ReplicatorSidebar extends Widget {
       groups.set(r.group as string, [...(groups.get(r.group as string) ?? []), r]);
     }
     for (const [group, runs] of groups) {
-      const lines = runs.map(r => this.studyLine(r));
+      const lines = [...runs].reverse().map(r => this.studyLine(r)); // in the order measured: n=1, 2, 4...
       const node = this.section(`Scaling study \u00b7 ${group.replace(/^scaling /, '')}`, lines);
       node.classList.add('wb-study');
       root.append(node);
@@ -209,16 +209,22 @@ export class ReplicatorSidebar extends Widget {
     }
   }
 
-  /** One configuration of a scaling study: name, status, steps/s, examples/s. */
+  /**
+   * One configuration of a scaling study: the run's steps/s and examples/s (as every card shows
+   * them) and the median step's examples/s, labelled, which is what the study's table and plot
+   * report as its throughput.
+   */
   private studyLine(run: IRunInfo): HTMLElement {
     const line = el('div', 'wb-study-line');
     line.dataset.runId = run.id;
     line.dataset.status = run.status;
-    line.append(
-      el('span', 'wb-run-name', run.name.replace(/^scaling \w+ /, '')),
+    const stats = el('div', 'wb-run-stats');
+    stats.append(
       el('span', 'wb-run-rate', `${formatNumber(run.steps_per_sec)} steps/s`),
-      el('span', 'wb-run-throughput', `${formatNumber(run.examples_per_sec)} examples/s`)
+      el('span', 'wb-run-throughput', `${formatNumber(run.examples_per_sec)} examples/s`),
+      el('span', 'wb-run-median', `median step ${formatNumber(run.median_examples_per_sec)} examples/s`)
     );
+    line.append(el('span', 'wb-run-name', run.name.replace(/^scaling \w+ /, '')), stats);
     return line;
   }
 
