@@ -13,8 +13,19 @@ import io
 DPI = 90
 
 
+# Readable at the size a notebook shows the figure (it is scaled down to the cell's width).
+FONTS = {"font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fontsize": 12}
+
+
 def draw(study):
     """Returns a matplotlib Figure of the study's points so far (planned x-range shown at once)."""
+    import matplotlib
+
+    with matplotlib.rc_context(FONTS):
+        return _draw(study)
+
+
+def _draw(study):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -71,15 +82,15 @@ def draw(study):
         labels.keys(),
         loc="upper center",
         ncol=len(labels),
-        fontsize=9,
+        fontsize=12,
         bbox_to_anchor=(0.5, 0.94),
         frameon=False,
     )
     done = len(table)
-    fig.suptitle(f"{study.title}  ({done}/{len(planned)} configurations)", fontsize=11)
+    fig.suptitle(f"{study.title}  ({done}/{len(planned)} configurations)", fontsize=14)
     note = _note(table)
     if note:
-        fig.text(0.5, 0.01, note, ha="center", va="bottom", fontsize=9, color="#a00000", wrap=True)
+        fig.text(0.5, 0.01, note, ha="center", va="bottom", fontsize=11, color="#a00000", wrap=True)
     fig.tight_layout(rect=(0, 0.07 if note else 0, 1, 0.88))
     return fig
 
