@@ -17,6 +17,7 @@ import time
 
 import cloudpickle
 import numpy as np
+import psutil
 import pytest
 import tensorflow as tf
 from IPython.core.error import UsageError
@@ -35,23 +36,46 @@ GLOBAL_BATCH = 16
 
 
 def cluster_processes() -> list[str]:
-    """Processes running a workbench worker or server module (zombies excluded)."""
-    out = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
-    return [
-        line.strip()
-        for line in out.splitlines()[1:]
-        if any(m in line for m in CLUSTER_MODULES) and line.split()[1][0] != "Z"
-    ]
+    """This process's descendants running a workbench worker or server module (zombies excluded),
+    as "pid status args" lines. Only what this test process started is looked at: other workbench
+    users on the machine (another test run, a training job) must not make these checks fail."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            status, args = process.status(), " ".join(process.cmdline())
+        except psutil.Error:  # ended meanwhile
+            continue
+        if status != psutil.STATUS_ZOMBIE and any(m in args for m in CLUSTER_MODULES):
+            found.append(f"{process.pid} {status} {args}")
+    return found
+
+
+def _adopt_orphans(on: bool) -> None:
+    """Linux PR_SET_CHILD_SUBREAPER: a descendant whose parent died (a `workbench run` child, a
+    killed kernel script) is re-parented to this process instead of init, so a worker it left
+    behind is still among our descendants for cluster_processes."""
+    import ctypes
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)
 
 
 @pytest.fixture(autouse=True)
 def no_orphans():
-    before = cluster_processes()
+    _adopt_orphans(True)
+    before = {line.split()[0] for line in cluster_processes()}
+
+    def left_behind() -> list[str]:
+        return [line for line in cluster_processes() if line.split()[0] not in before]
+
     yield
     deadline = time.monotonic() + 10
-    while cluster_processes() != before and time.monotonic() < deadline:
+    while left_behind() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert cluster_processes() == before, f"processes left behind: {cluster_processes()}"
+    try:
+        assert not left_behind(), f"processes left behind: {left_behind()}"
+    finally:
+        _adopt_orphans(False)
 
 
 def make_model():
@@ -251,7 +275,8 @@ def test_peer_that_never_starts_gives_a_startup_timeout(tmp_path):
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode != 0
-    assert f"worker 1 at 127.0.0.1:{ports[1]} never connected" in done.stderr, done.stderr[-2000:]
+    assert f"never accepted a connection: worker 1 at 127.0.0.1:{ports[1]}" in done.stderr, done.stderr[-2000:]
+    assert "Nothing was started here, so the process is still usable" in done.stderr
     assert time.monotonic() - started < 90
 
 
@@ -445,3 +470,21 @@ def test_replicate_scaling_cell_on_multi_worker(notebook):
         notebook.run_cell_magic(
             "replicate", f"{options} --scaling 1 --mode strong --batch-size 64", PROCESS_CELL
         )
+
+
+def test_a_checkpointed_multi_worker_run_leaves_no_temporary_folders(tmp_path, monkeypatch):
+    # Every temporary folder of the run (the launch's logs and channel, a non-chief worker's
+    # checkpoint scratch copy) is made under TMPDIR, which the workers inherit: a private one here,
+    # so other users of the machine cannot disturb the check.
+    import tempfile
+
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    run = wb.MultiWorkerReplicator(num_workers=2).train(
+        setup=regression_setup, steps=20, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10
+    )
+    assert run.status == "finished" and tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("-20")
+    assert [e.data["path"] for e in run.events if e.kind == "checkpoint"]  # the chief saved
+    assert sorted(os.listdir(private_tmp)) == []

@@ -213,7 +213,6 @@ class Replicator:
         steps: int | None = None,
         *,
         setup: Callable | None = None,
-        warmup: int = 0,
         **options,
     ):
         """Trains for `steps` steps in the owned run loop; returns a `wb.Run`.
@@ -224,32 +223,24 @@ class Replicator:
           setup: instead of step_fn/input_fn: setup(repl) builds the model and optimizer (it
             runs inside repl.context()) and returns (step_fn, input_fn). For backends whose
             steps run in other processes it travels there (pickled by value) and runs in each.
-          warmup: steps run first, untimed and unrecorded (they absorb tracing).
           **options: see `workbench._src.run_options.RunOptions` (steps_per_execution, reduce,
-            checkpoint_dir, checkpoint, checkpoint_every, resume, on_nonfinite, background,
-            sinks, name).
+            checkpoint_dir, checkpoint, checkpoint_every, resume, on_nonfinite, warmup,
+            background, sinks, name).
         """
         from workbench._src import run_loop
 
-        check_nonnegative_warmup(warmup)
         if setup is None and (step_fn is None or input_fn is None):
             raise ConfigurationError(
                 "train needs step_fn and input_fn, or setup=build where build(repl) returns them; "
                 f"received step_fn={step_fn!r}, input_fn={input_fn!r}, setup=None."
             )
         if self._launcher is not None:
-            return self._launcher.train(step_fn, input_fn, steps, setup=setup, warmup=warmup, **options)
+            return self._launcher.train(step_fn, input_fn, steps, setup=setup, **options)
         if setup is not None:
             from workbench._src.launch.shipping import unpack_setup
 
             with self.context():
                 step_fn, input_fn = unpack_setup(setup(self))
-        if warmup:
-            same = {k: options[k] for k in ("steps_per_execution", "reduce") if k in options}
-            warm = run_loop.train(self, step_fn, input_fn, warmup, name="warm-up", **same)
-            run = run_loop.train(self, step_fn, input_fn, steps, **options)
-            run.compile_seconds = warm.compile_seconds  # the warm-up traced; the run was timed whole
-            return run
         return run_loop.train(self, step_fn, input_fn, steps, **options)
 
     def train_cell(self, source: str, namespace: dict, steps: int, *, filename: str | None = None, **options):
@@ -321,11 +312,6 @@ class Replicator:
     def __repr__(self):
         details = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "backend")
         return f"{type(self).__name__}({details})"
-
-
-def check_nonnegative_warmup(warmup) -> None:
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ConfigurationError(f"warmup must be an integer >= 0 (steps); received warmup={warmup!r}.")
 
 
 def _replica_primary_device(ctx) -> str:

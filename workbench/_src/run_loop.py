@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from workbench._src.errors import NonFiniteError
+from workbench._src.errors import InputError, NonFiniteError
 from workbench._src.run import Run
 from workbench._src.run_options import RunOptions, options_from
 
@@ -162,7 +162,11 @@ class ChunkLoop:
 
     def execute(self, run: Run) -> tuple[str, str | None]:
         try:
-            self._begin()
+            self._restore()
+            self._warm_up()
+            self.run.publish(
+                "started", name=self.run.name, config=self.run.config, first_step=self.program.steps_done + 1
+            )
             status, reason = self._loop()
         except BaseException as error:  # noqa: BLE001 - save what we have, then fail the run
             error = self.executor.explain(error)
@@ -175,14 +179,33 @@ class ChunkLoop:
             self._save(final=True)
         return status, reason
 
-    def _begin(self) -> None:
-        run, saver, program = self.run, self.saver, self.program
+    def _restore(self) -> None:
+        run, saver = self.run, self.saver
         self.executor.start(run)
         if saver:
             restored = saver.restore_if_any()
             if restored is not None:
                 run.publish("message", text=f"resumed from checkpoint at step {restored}: {saver.directory}")
-        run.publish("started", name=run.name, config=run.config, first_step=program.steps_done + 1)
+
+    def _warm_up(self) -> None:
+        """`opts.warmup` steps before the recorded ones: the first call (one step) traces and is
+        timed as compile_seconds; the rest run in one chunk. Workers agree on both, as always."""
+        remaining, first = self.opts.warmup, True
+        while remaining:
+            k, _ = self.executor.agree(1 if first else remaining, False)
+            started = time.perf_counter()
+            result = self.executor.collect(self.executor.submit(k))
+            if result is None:  # lost with a dead worker: run it again
+                continue
+            if first:
+                self.run.compile_seconds = time.perf_counter() - started
+            done = result[1]
+            remaining, first = remaining - done, False
+            if done < k:
+                raise InputError(
+                    f"input_fn's dataset ran out during the {self.opts.warmup} warm-up steps. Fix: add "
+                    ".repeat() to the dataset (before .batch)."
+                )
 
     def _loop(self) -> tuple[str, str | None]:
         run, program, executor = self.run, self.program, self.executor
@@ -226,7 +249,7 @@ class ChunkLoop:
                 continue
             rows, done = result
             now = time.perf_counter()
-            if first_call:
+            if first_call and run.compile_seconds is None:  # (a warm-up has set it already)
                 run.compile_seconds = now - start if compiling else 0.0
             t0 = max(submitted, last)
             self._record(

@@ -27,6 +27,8 @@ class RunOptions:
         its step (False: start from the variables as they are, and save over it).
       on_nonfinite: a NaN/Inf metric "stop"s the run with a warning, "raise"s NonFiniteError
         (the partial run in `err.run`), or is "ignore"d.
+      warmup: steps run first, before the recorded ones: untimed and not in the history (they
+        absorb tracing; `run.compile_seconds` is their first call's). They do train the model.
       background: return at once and train in a thread; use run.stop() / run.wait().
       sinks: callables (or objects with send) that receive the run's events.
       name: the run's name (default "run N").
@@ -40,6 +42,7 @@ class RunOptions:
     checkpoint_every: int | None = None
     resume: bool = True
     on_nonfinite: Literal["stop", "raise", "ignore"] = "stop"
+    warmup: int = 0
     background: bool = False
     sinks: tuple = ()
     name: str | None = None
@@ -63,6 +66,10 @@ class RunOptions:
         if self.on_nonfinite not in ("stop", "raise", "ignore"):
             raise ConfigurationError(
                 f"on_nonfinite must be 'stop', 'raise' or 'ignore'; received {self.on_nonfinite!r}."
+            )
+        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
+            raise ConfigurationError(
+                f"warmup must be an integer >= 0 (steps); received warmup={self.warmup!r}. Fix: e.g. warmup=10."
             )
         if not isinstance(self.resume, bool):
             raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
@@ -91,6 +98,7 @@ class RunOptions:
             "checkpoint_every",
             "resume",
             "on_nonfinite",
+            "warmup",
         )
         return {k: getattr(self, k) for k in keep}
 
@@ -100,6 +108,6 @@ def options_from(steps, options: dict) -> RunOptions:
     if unknown:
         valid = ", ".join(f.name for f in dataclasses.fields(RunOptions) if f.name != "steps")
         raise ConfigurationError(
-            f"train() got unknown option(s) {sorted(unknown)}. Valid options: {valid}, and setup=/warmup=."
+            f"train() got unknown option(s) {sorted(unknown)}. Valid options: {valid}, and setup=."
         )
     return RunOptions(steps=steps, **options)

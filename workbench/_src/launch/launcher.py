@@ -63,8 +63,8 @@ class Launcher:
         results = self.launch(work, run=None, timeout=timeout)
         return [results[task] for task in sorted(results, key=_task_order)]
 
-    def train(self, step_fn, input_fn, steps, *, setup=None, warmup=0, **options):
-        work = shipping.TrainWork(step_fn=step_fn, input_fn=input_fn, setup=setup, warmup=warmup)
+    def train(self, step_fn, input_fn, steps, *, setup=None, **options):
+        work = shipping.TrainWork(step_fn=step_fn, input_fn=input_fn, setup=setup)
         return self._train(work, steps, options, local_variables=None)
 
     def train_cell(self, source: str, namespace: dict, steps: int, *, filename=None, **options):

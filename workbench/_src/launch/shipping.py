@@ -30,9 +30,9 @@ IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 class TrainWork:
     """Train in a launched process, forwarding the run's events to the launcher."""
 
-    def __init__(self, step_fn=None, input_fn=None, setup=None, steps=None, warmup=0, options=None):
+    def __init__(self, step_fn=None, input_fn=None, setup=None, steps=None, options=None):
         self.step_fn, self.input_fn, self.setup = step_fn, input_fn, setup
-        self.steps, self.warmup, self.options = steps, warmup, dict(options or {})
+        self.steps, self.options = steps, dict(options or {})
         self.replicator_options: dict = {}
 
     def __call__(self, repl, link):
@@ -48,7 +48,7 @@ class TrainWork:
                 link.send({"type": "event", "kind": event.kind, "step": event.step, "data": event.data})
 
         run = repl.train(
-            self.step_fn, self.input_fn, self.steps, setup=self.setup, warmup=self.warmup,
+            self.step_fn, self.input_fn, self.steps, setup=self.setup,
             background=True, sinks=[forward], **self.options,
         )  # fmt: skip
 
