@@ -487,4 +487,5 @@ def test_a_checkpointed_multi_worker_run_leaves_no_temporary_folders(tmp_path, m
     )
     assert run.status == "finished" and tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("-20")
     assert [e.data["path"] for e in run.events if e.kind == "checkpoint"]  # the chief saved
-    assert sorted(os.listdir(private_tmp)) == []
+    # (TensorFlow's AutoGraph writes its own generated files there, in this process: not ours.)
+    assert [name for name in os.listdir(private_tmp) if name.startswith("workbench")] == []
