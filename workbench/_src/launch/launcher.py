@@ -180,6 +180,8 @@ class _Watch:
         self.heard[task] = time.monotonic()
         if kind == "hello":
             self.channel.send(task, {"type": "work", "payload": self.payload})
+            if self.stop_sent:  # a stop asked for before this process connected
+                self.channel.send(task, {"type": "stop"})
         elif kind == "ready":
             self.ready.add(task)
             if len(self.ready) == len(self.tasks) and self.run is not None:
