@@ -96,7 +96,7 @@ def test_async_ps_killed_parameter_server_fails_fast_and_checkpoint_restores(tmp
     ) as info:
         run.wait(timeout=60)
     assert time.monotonic() - killed < 10
-    assert info.value.run is run and len(run.history) == run.steps
+    assert info.value.task == "ps 0" and info.value.run is run and len(run.history) == run.steps
     saved_step = int(tf.train.latest_checkpoint(str(tmp_path)).rsplit("-", 1)[1])
     assert saved_step >= 50 and saved_step % 50 == 0
     fresh = wb.NonReplicator()

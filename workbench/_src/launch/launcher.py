@@ -310,7 +310,7 @@ class _Watch:
             # as on an in-process backend, not a wrapper around it.
             raise kind(error["message"])
         if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
-            raise WorkerError(error["message"], task=_label(first))
+            raise WorkerError(error["message"], task=error.get("task") or _label(first))
         self._raise(
             f"{_label(first)} failed{self._at_step()}: {error['summary']}\n--- its traceback ---\n"
             f"{_trim_traceback(error.get('traceback', ''))}",

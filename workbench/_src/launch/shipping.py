@@ -219,5 +219,6 @@ def format_exception(error: BaseException) -> dict:
         "summary": f"{kind}: {error}",
         "error_class": kind if isinstance(getattr(errors, kind, None), type) else None,
         "message": str(error),
+        "task": getattr(error, "task", None),  # a WorkerError's process, e.g. "ps 0"
         "traceback": "".join(traceback.format_exception(error)),
     }
