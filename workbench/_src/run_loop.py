@@ -274,7 +274,14 @@ class ChunkLoop:
             if self.opts.checkpoint_every and program.steps_done % self.opts.checkpoint_every == 0:
                 self._save()
             if self.fixed_k is None and not first_call and done:
-                per_step = (now - t0) / done * executor.parallelism()
+                if executor.max_in_flight > 1:
+                    # Chunks overlap and return in bursts: pace by the run's average time per
+                    # step and worker, not by the gap since the last result (which would grow
+                    # chunks far past CHUNK_SECONDS, and then a worker's whole chunk runs beside
+                    # another's on older weights: the history's step order would mislead).
+                    per_step = (now - start) / (program.steps_done - first_step) * executor.parallelism()
+                else:
+                    per_step = (now - t0) / done
                 k = int(min(MAX_STEPS_PER_EXECUTION, k * 10, max(1, CHUNK_SECONDS / max(per_step, 1e-9))))
             first_call = False
         if status == "finished" and not reason and run.stop_requested and program.steps_done < target:
