@@ -12,11 +12,23 @@ in-process single-device loop (`repl.train` on wb.NonReplicator) is printed besi
 Printed per configuration: steps/s, examples/s, weak-scaling efficiency against the 1-worker
 point, and start-up time (train() called -> first step recorded: processes, cluster join,
 tracing). The machine's core count is printed too: read the efficiencies against it.
+
+Hand-written anchors (issue 17), same model, data, batch and thread limit, in the same run:
+  MWMS hand-written  2 local worker processes with TF_CONFIG on 127.0.0.1, each running
+                     MultiWorkerMirroredStrategy and `for _ in tf.range(k): strategy.run(...)`
+                     in one tf.function (k = --hand-k steps per call);
+  PS hand-written    ParameterServerStrategy + ClusterCoordinator in a coordinator process of
+                     its own, 2 workers and 1 parameter server as tf.distribute.Server
+                     processes, each scheduled closure a fused loop of k steps.
+Both are timed after a warm-up call (tracing, cluster join excluded), as the workbench rows
+skip their first fifth; printed: workbench / hand-written steps/s (goal >= 1.0).
+`--only-hand` skips the workbench rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -95,13 +107,251 @@ def timed_train(repl, setup, steps, in_process: bool):
     return measure(run, started)
 
 
+# ----- hand-written anchors ---------------------------------------------------------------
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (x / 16).astype("float32"), y.astype("int32")
+
+
+def _mlp():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def _limit_threads(threads: int) -> None:
+    import tensorflow as tf
+
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+
+
+def hand_mwms_worker(args) -> None:
+    """One worker of the hand-written MultiWorkerMirroredStrategy loop (TF_CONFIG set by main)."""
+    _limit_threads(args.threads)
+    import keras
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        )
+    )
+    x, y = _digits()
+    workers = strategy.num_replicas_in_sync
+    global_batch = args.batch * workers  # weak scaling: `batch` per worker, as the workbench rows
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().shuffle(1024, seed=index)
+    iterator = iter(strategy.experimental_distribute_dataset(data.batch(global_batch, drop_remainder=True)))
+    with strategy.scope():
+        model = _mlp()
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+
+    def step(inputs):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            per_example = keras.losses.sparse_categorical_crossentropy(
+                labels, model(images, training=True), from_logits=True
+            )
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def fused(iterator, n):
+        for _ in tf.range(n):
+            strategy.run(step, args=(next(iterator),))
+
+    k = tf.constant(args.hand_k)
+    fused(iterator, k)  # trace, join the collective group, warm up
+    int(optimizer.iterations.numpy())
+    calls = max(1, args.steps // args.hand_k)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fused(iterator, k)
+    int(optimizer.iterations.numpy())
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"steps_per_sec": calls * args.hand_k / seconds}), flush=True)
+
+
+def hand_ps_server(args) -> None:
+    """A tf.distribute.Server of the hand-written parameter-server cluster (blocks until killed)."""
+    _limit_threads(args.threads)  # as the workbench's server_main does
+    import tensorflow as tf
+
+    spec = tf.train.ClusterSpec(json.loads(args.cluster))
+    server = tf.distribute.Server(spec, job_name=args.job, task_index=args.index, protocol="grpc", start=True)
+    server.join()
+
+
+def hand_ps_coordinator(args) -> None:
+    """ParameterServerStrategy + ClusterCoordinator, closures of k fused steps; prints steps/s."""
+    _limit_threads(args.threads)
+    import keras
+    import tensorflow as tf
+
+    cluster = json.loads(args.cluster)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+    )
+    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    x, y = _digits()
+    with strategy.scope():
+        model = _mlp()
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+
+    def dataset_fn(input_context):
+        data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().shuffle(1024, seed=0)
+        return data.batch(args.batch, drop_remainder=True)  # `batch` per worker, as the workbench
+
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+    def step(inputs):
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(
+                    labels, model(images, training=True), from_logits=True
+                )
+            )
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        )
+
+    @tf.function
+    def fused(iterator, n):
+        for _ in tf.range(n):
+            strategy.run(step, args=(next(iterator),))
+
+    k = tf.constant(args.hand_k)
+    workers = len(cluster["worker"])
+    for _ in range(workers):  # trace, connect, warm up every worker
+        coordinator.schedule(fused, args=(iterator, k))
+    coordinator.join()
+    calls = max(workers, args.steps // args.hand_k)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        coordinator.schedule(fused, args=(iterator, k))
+    coordinator.join()
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"steps_per_sec": calls * args.hand_k / seconds}), flush=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _spawn(role_args: list[str], env_extra: dict, args):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **env_extra}
+    command = [sys.executable, os.path.abspath(__file__), *role_args, "--threads", str(args.threads)]
+    command += ["--batch", str(args.batch), "--steps", str(args.steps), "--hand-k", str(args.hand_k)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _result(process, timeout: float) -> dict:
+    out, _ = process.communicate(timeout=timeout)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if process.returncode or not lines:
+        raise RuntimeError(f"hand-written anchor failed (exit {process.returncode}): {out[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def _stop(processes) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def hand_mwms(args, workers: int = 2) -> dict:
+    ports = _free_ports(workers)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    processes = []
+    try:
+        for i in range(workers):
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})
+            processes.append(_spawn(["--hand-role", "mwms-worker"], {"TF_CONFIG": tf_config}, args))
+        results = [_result(p, timeout=600) for p in processes]
+        return results[0]  # the chief's; every worker runs the same steps
+    finally:
+        _stop(processes)
+
+
+def hand_ps(args, workers: int = 2, num_ps: int = 1) -> dict:
+    ports = _free_ports(workers + num_ps + 1)
+    cluster = {
+        "worker": [f"127.0.0.1:{p}" for p in ports[:workers]],
+        "ps": [f"127.0.0.1:{p}" for p in ports[workers : workers + num_ps]],
+        "chief": [f"127.0.0.1:{ports[-1]}"],
+    }
+    spec = json.dumps(cluster)
+    servers = []
+    try:
+        for job, count in (("worker", workers), ("ps", num_ps)):
+            for i in range(count):
+                role = ["--hand-role", "ps-server", "--job", job, "--index", str(i), "--cluster", spec]
+                servers.append(_spawn(role, {}, args))
+        coordinator = _spawn(["--hand-role", "ps-coordinator", "--cluster", spec], {}, args)
+        servers.append(coordinator)
+        return _result(coordinator, timeout=600)
+    finally:
+        _stop(servers)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=64, help="per-worker batch")
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads per worker/server")
+    parser.add_argument("--hand-k", type=int, default=100, help="steps per hand-written fused call")
+    parser.add_argument("--only-hand", action="store_true", help="the hand-written anchors only")
+    # Internal: the roles of the hand-written anchors' processes.
+    parser.add_argument("--hand-role", choices=["mwms-worker", "ps-server", "ps-coordinator"])
+    parser.add_argument("--job")
+    parser.add_argument("--index", type=int)
+    parser.add_argument("--cluster")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    roles = {
+        "mwms-worker": hand_mwms_worker,
+        "ps-server": hand_ps_server,
+        "ps-coordinator": hand_ps_coordinator,
+    }
+    if args.hand_role:
+        roles[args.hand_role](args)
+        return
+    if args.only_hand:
+        print_hand_anchors(args, {})
+        return
     import tensorflow as tf
 
     # This process (the single-device anchor, and the async-ps coordinator) gets the same
@@ -145,6 +395,19 @@ def main():
     print(
         f"multi-worker x1 / single in process (examples/s): {mw1['examples_per_sec'] / single['examples_per_sec']:.2f}"
     )
+    workbench_2 = {name: r["steps_per_sec"] for name, w, r in rows if w == 2}
+    print_hand_anchors(args, workbench_2)
+
+
+def print_hand_anchors(args, workbench: dict) -> None:
+    """Runs the two hand-written anchors; prints them beside the workbench's 2-worker rows."""
+    print(f"\nhand-written anchors, 2 workers, {args.hand_k} steps per fused call:")
+    for name, anchor in (("multi-worker", hand_mwms), ("async-ps", hand_ps)):
+        hand = anchor(args)["steps_per_sec"]
+        line = f"{name:14} hand-written {hand:8.1f} steps/s"
+        if name in workbench:
+            line += f"   workbench {workbench[name]:8.1f}   workbench / hand-written {workbench[name] / hand:.2f}x"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
