@@ -354,7 +354,7 @@ def main():
         return
     import tensorflow as tf
 
-    # This process (the single-device anchor, and the async-ps coordinator) gets the same
+    # This process (the single-device anchor) gets the same
     # thread limit as each worker; set before TensorFlow initialises.
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
@@ -376,7 +376,8 @@ def main():
     for workers in (1, 2):
         repl = wb.MultiWorkerAsyncReplicator(num_workers=workers, num_ps=1, threads_per_server=args.threads)
         try:
-            rows.append(("async-ps", workers, timed_train(repl, setup, args.steps, in_process=True)))
+            # The coordinator runs in a launched process (setup travels), as multi-worker's workers.
+            rows.append(("async-ps", workers, timed_train(repl, setup, args.steps, in_process=False)))
         finally:
             repl.shutdown()
 
