@@ -1,31 +1,39 @@
-"""Deleting the input iterators of programs nobody will run again, off the main thread.
+"""Deleting the input iterators of programs nobody will run again, off the main thread; keeping
+the rest alive at exit.
 
 Measured here (TensorFlow 2.21, CPU): deleting a distributed iterator that has sat idle waits for
-tf.data's autotuning thread to wake, 10-40 s, while the GIL is free. When the garbage collector
-reaches such an iterator on the main thread, the notebook freezes that long at a random moment.
-Programs the workbench itself discards (a re-run cell's, a scaling study's finished
-configurations) and every Program the garbage collector finds (a finalizer registered in
-`Program`) therefore hand their iterators to one daemon thread that drops them there.
+tf.data's autotuning thread to wake (`RootDataset::Iterator::~Iterator` joins it), 10-40 s, while
+the GIL is free. When the garbage collector reaches such an iterator on the main thread, the
+notebook freezes that long at a random moment. Programs the workbench itself discards (a re-run
+cell's, a scaling study's finished configurations) and every Program the garbage collector finds
+(a finalizer registered in `Program`) therefore hand their iterators to one daemon thread that
+drops them there.
+
+At interpreter exit nothing is deleted: the process is ending and the operating system takes the
+memory back, so the iterators of live programs and the queued ones are kept alive for good (an
+extra reference no one releases), and neither finalization nor the garbage collector runs their
+C++ destructors. A deletion already under way on the reaper thread ends the process at once
+(`_finish_at_exit` says why).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import queue
 import threading
-import time
 import weakref
 
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _closed = False
-_live_programs: weakref.WeakSet = weakref.WeakSet()  # Programs whose iterators exit must delete
+_deleting = False  # the reaper thread is inside a deletion (guarded by _lock)
+_live_programs: weakref.WeakSet = weakref.WeakSet()  # Programs whose iterators exit keeps alive
 
 
 def track(program) -> None:
-    """Remembers a live Program: at exit its iterator is deleted off the main thread, in parallel
-    with the others, within the bounded exit wait (instead of one by one during finalization)."""
+    """Remembers a live Program: at exit its iterator is kept alive instead of being deleted."""
     _live_programs.add(program)
 
 
@@ -60,7 +68,11 @@ def discard_iterators(iterators: list) -> None:
     """
     global _thread
     with _lock:
-        if not iterators or _closed:  # at exit: deleted where they are, as without the reaper
+        if not iterators:
+            return
+        if _closed:  # at exit (a program finalized late): keep them, as exit keeps the others
+            _keep_forever(iterators)
+            iterators.clear()
             return
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_reap, name="workbench iterator reaper", daemon=True)
@@ -69,71 +81,78 @@ def discard_iterators(iterators: list) -> None:
     iterators.clear()
 
 
-def _delete_on_a_thread(box: list) -> threading.Thread:
-    """Deletes box's iterator on a new daemon thread (the box is its last reference)."""
-    deleter = threading.Thread(target=box.clear, name="workbench iterator deletion at exit", daemon=True)
-    deleter.start()
-    return deleter
+def _keep_forever(objects) -> None:
+    """Adds a reference to each object that is never released: its destructor never runs, not
+    even during interpreter finalization (the process ends with it still alive)."""
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _reap() -> None:
+    global _deleting
     while True:
         iterators = _queue.get()
-        if iterators is None:  # _finish_at_exit
-            return
-        iterators.clear()  # deletes them here; may wait for tf.data's tuning thread
-        del iterators
+        with _lock:
+            if iterators is None or _closed:  # exit keeps the queued iterators alive
+                if iterators:
+                    _keep_forever(iterators)
+                return
+            _deleting = True
+        try:
+            iterators.clear()  # deletes them here; may wait for tf.data's tuning thread
+            del iterators
+        finally:
+            with _lock:
+                _deleting = False
 
 
-EXIT_WAIT_S = 20.0
 exit_code_hint: int | None = None  # the exit status a host (pytest's conftest) knows it will return
 
 
 @atexit.register
 def _finish_at_exit() -> None:
-    """Lets the reaper finish before the interpreter shuts down, for EXIT_WAIT_S at most.
+    """Keeps every iterator not yet deleted alive for the rest of the process, so that exit never
+    waits for tf.data (measured: a script that trained spent 10-30 s after its last line deleting
+    them during finalization, or 20 s in a bounded wait here).
 
-    A daemon thread still inside TensorFlow's deletion when Python finalizes is torn down
-    mid-C++ call ("FATAL: exception not rethrown", the process aborts), so exit waits for the
-    queued deletions: they would otherwise have run at exit on the main thread anyway.
-
-    Measured: one deletion can also never end (its tf.data thread never finishes), which made
-    `python -m pytest` hang after printing its summary. So the wait is bounded; past it the
-    process ends at once with os._exit, keeping the exit status when it is known
-    (`exit_code_hint`, or 1 after an uncaught exception, else 0).
+    A deletion already under way on the reaper thread cannot be stopped, and a daemon thread that
+    returns from TensorFlow's deletion while Python finalizes is torn down mid-C++ call ("FATAL:
+    exception not rethrown", the process aborts with status 134; measured). Waiting for it would
+    take 10-40 s, so the process ends here instead: pending `weakref.finalize` callbacks and
+    logging are flushed first, then os._exit with the exit status when it is known
+    (`exit_code_hint`, or 1 after an uncaught exception, else 0; a `sys.exit(n)` status is not
+    visible here and becomes 0).
     """
     global _closed
     with _lock:
         _closed = True
-        thread = _thread
-    # Every iterator still to delete, each on a thread of its own: a deletion mostly waits for
-    # its own tf.data thread to wake, so in parallel they take as long as the slowest one, not
-    # the sum (measured: 15-45 s at the end of a test file, one after another at finalization).
-    boxes = [_detach(program) for program in list(_live_programs)]
+        deleting = _deleting
+    kept = [getattr(program, "iterator", None) for program in list(_live_programs)]
+    _keep_forever([iterator for iterator in kept if iterator is not None])
+    del kept
     while True:
         try:
             queued = _queue.get_nowait()
         except queue.Empty:
             break
-        boxes.extend([iterator] for iterator in queued or ())
+        _keep_forever(queued or ())
         del queued
-    deleters = [_delete_on_a_thread(box) for box in boxes if box]
-    del boxes
-    if thread is not None and thread.is_alive():
-        _queue.put(None)
-        deleters.append(thread)
-    deadline = time.monotonic() + EXIT_WAIT_S
-    for deleter in deleters:
-        deleter.join(max(0.0, deadline - time.monotonic()))
-    if any(deleter.is_alive() for deleter in deleters):
-        import os
-        import sys
+    if deleting:
+        _exit_now()
 
-        code = exit_code_hint if exit_code_hint is not None else (1 if hasattr(sys, "last_value") else 0)
-        sys.stderr.write(
-            f"workbench: deleting a TensorFlow input iterator did not finish within {EXIT_WAIT_S:.0f} s "
-            f"at exit; exiting now (status {code}).\n"
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+def _exit_now() -> None:
+    """Ends the process before finalization, as cleanly as that allows."""
+    import logging
+    import os
+    import sys
+
+    code = exit_code_hint if exit_code_hint is not None else (1 if hasattr(sys, "last_value") else 0)
+    weakref.finalize._exitfunc()  # e.g. temporary folders; their atexit hook may run after this one
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced by the host
+            pass
+    os._exit(code)
