@@ -512,6 +512,30 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 assert warmups.count() == 0, warmups.all_inner_texts()
                 study.scroll_into_view_if_needed()
                 page.screenshot(path=str(SCREENSHOTS / "sidebar-study.png"))
+
+                # The run store table: sort by steps/s (descending first), filter, delete.
+                rows = sidebar.locator(".wb-stored-run")
+                expect(rows).to_have_count(6)  # 4 runs and 2 study configurations (warm-ups: unrecorded)
+                sidebar.locator(".wb-sort-steps_per_sec").click()
+                shown = [
+                    float(t.replace(",", ""))
+                    for t in rows.locator(".wb-col-steps_per_sec").all_inner_texts()
+                    if t != "\u2013"
+                ]
+                assert shown == sorted(shown, reverse=True), shown
+                sidebar.locator(".wb-filter-backend").select_option("mirrored")
+                expect(rows).to_have_count(6)
+                picked = sidebar.locator(".wb-pick-run:checked")  # the two compared above
+                for left in (1, 0):  # a click redraws the table: click, then count again
+                    picked.first.click()
+                    expect(picked).to_have_count(left)
+                first_id = rows.first.get_attribute("data-run-id")
+                rows.first.locator(".wb-pick-run").check()
+                sidebar.locator(".wb-delete").click()
+                expect(page.locator(".jp-Dialog")).to_contain_text("Delete 1 recorded run?")
+                page.locator(".jp-Dialog button", has_text="Delete").click()
+                expect(rows).to_have_count(5)
+                assert not (tmp_path / "runs" / first_id).exists()
             finally:
                 browser.close()
     finally:
