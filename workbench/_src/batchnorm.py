@@ -55,6 +55,7 @@ class CrossReplicaBatchNorm(metaclass=_KerasClassOnFirstUse):
     every replica (each replica makes the same update; replica 0's is written to all copies).
 
     Example:
+      >>> import workbench as wb, keras
       >>> repl = wb.replicator("mirrored", num_replicas=4)
       >>> with repl.context():
       ...     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32),

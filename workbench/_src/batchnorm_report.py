@@ -157,6 +157,7 @@ def batchnorm_report(
       `.compare_with_study()`, `.plot()`.
 
     Example:
+      >>> import workbench as wb
       >>> report = wb.batchnorm_report(replicas=8, steps=20)
       >>> bool(report.table.loc["cross-replica", "training_output"] < 1e-5)
       True

@@ -98,6 +98,10 @@ def check_loss_scaling(
       A LossScalingReport; `print(report)` says which mistake it sees and the fix.
 
     Example:
+      >>> import workbench as wb, tensorflow as tf, keras, numpy as np
+      >>> x = np.random.RandomState(0).randn(64, 8).astype("float32")
+      >>> def input_fn(ctx):
+      ...     return tf.data.Dataset.from_tensor_slices(x).repeat().batch(32)
       >>> def setup(repl):
       ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
       ...     opt = keras.optimizers.SGD(0.1)           # plain: sums over replicas

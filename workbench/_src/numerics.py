@@ -182,6 +182,7 @@ def compare_numerics(
       (every copy, for per-replica variables and per-example outputs).
 
     Example:
+      >>> import workbench as wb, tensorflow as tf, keras, numpy as np
       >>> def setup(repl):
       ...     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
       ...     opt = repl.wrap_optimizer(keras.optimizers.SGD(0.1))

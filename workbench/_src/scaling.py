@@ -108,8 +108,8 @@ def reference_speedup(times: Mapping[int, float]) -> dict[int, float]:
     """Converts {replicas: time to train} into {replicas: speed-up over the fewest replicas}.
 
     Example:
-      >>> reference_speedup({1: 7118, 8: 1049})[8]  # the TF-Replicator paper's ResNet-50
-      6.785510009532888
+      >>> round(reference_speedup({1: 7118, 8: 1049})[8], 2)  # the TF-Replicator paper's ResNet-50
+      6.79
     """
     if not times:
         return {}
