@@ -124,9 +124,12 @@ def test_a_real_background_run_with_the_stop_button():
     deadline = time.time() + 30
     while dash.renders < 2 and time.time() < deadline:
         time.sleep(0.05)
+    # A background cell's summary is shown once and never refreshed: no frozen "running, steps 0".
+    assert "training in the background" in run._repr_html_() and "<table" not in run._repr_html_()
     dash._stop_button.click()  # what the user's click does
     run.wait(30)
     assert run.status == "stopped" and dash.status == "stopped"
+    assert "<td data-key='status'>stopped</td>" in run._repr_html_()
     assert dash.renders >= 2 and dash.render_threads == {"workbench dashboard"}
     assert recorder.threads == {f"workbench {run.name}"}  # events come from the training thread
     history = run.history

@@ -245,9 +245,9 @@ class Run:
             # Shown once when the cell ends and never refreshed: no frozen "running, steps 0".
             return (
                 f"<b>wb.Run</b> {html.escape(self.name)}: training in the background "
-                f"({self.config.get('steps') or 'open-ended'} steps). Live figures: the dashboard above "
-                "and the Replicator sidebar; <code>run.summary()</code> now, <code>run.wait()</code>, "
-                "<code>run.stop()</code>."
+                f"({self.config.get('steps') or 'open-ended'} steps). Live figures: its dashboard (unless "
+                "--no-live) and the Replicator sidebar; <code>run.summary()</code> now, "
+                "<code>run.wait()</code>, <code>run.stop()</code>."
             )
         s = self.summary()
         reason = shown_reason(s["status"], s.pop("stop_reason", None))  # no "stopped (stopped at ...)"
