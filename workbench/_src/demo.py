@@ -88,8 +88,9 @@ def _plot(run, path: str, title: str) -> None:
     axes[2].plot(step, h["examples_per_sec"], lw=1)
     median = run.summary().get("median_examples_per_sec")
     if median:
-        axes[2].axhline(median, ls="--", color="0.4", lw=1)
-    axes[2].set(title=f"examples/s per step (median {fmt(median)}, dashed)", xlabel="step")
+        axes[2].axhline(median, ls="--", color="0.4", lw=1, label=f"median {fmt(median)}")
+        axes[2].legend(loc="lower right", fontsize=11)
+    axes[2].set(title="examples/s per step", xlabel="step")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
