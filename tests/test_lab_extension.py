@@ -10,6 +10,7 @@ Screenshots go to build/lab-extension/. Every process it starts is ended in `fin
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import queue
@@ -373,6 +374,14 @@ def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> N
     assert saved.name == f"{second['run']}-history.csv"
     sidebar.scroll_into_view_if_needed()
     page.screenshot(path=str(SCREENSHOTS / "sidebar-runs-table.png"))
+
+    # TensorBoard on the run's event files: a `%replicate --tensorboard RUN` cell, run at once
+    # (without the tensorboard package it says how to install it and where the files are).
+    card.locator(".wb-tensorboard").click()
+    cell = cells.filter(has_text=f"%replicate --tensorboard {second['run']}")
+    expected = "pip install tensorboard" if importlib.util.find_spec("tensorboard") is None else "tensorboard"
+    expect(cell.locator(".jp-OutputArea-output")).to_contain_text(expected)
+    expect(cell.locator(".jp-OutputArea-output")).to_contain_text(f"{second['run']}/tb")
 
 
 def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
