@@ -47,6 +47,9 @@ SCRIPT = textwrap.dedent(
     runs = [repl.train(step_fn, each, steps=50) for each in input_fns()]  # kept, as users do
     # One is deleted on the reaper thread (maybe still under way at exit); two stay alive.
     discard_programs(list(repl._programs.values())[:1])
+    # An iterator no Program holds (the user's own) is kept alive at exit as well.
+    own = iter(tf.data.Dataset.range(10**9).map(lambda i: i + 1, num_parallel_calls=tf.data.AUTOTUNE))
+    next(own)
     # tf.data's tuning thread sleeps longer and longer (up to a minute), and deleting an iterator
     # waits for it to wake: iterators that sat idle are the slow ones to delete.
     time.sleep(25.0)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import queue
+import sys
 import threading
 import weakref
 
@@ -128,6 +130,7 @@ def _finish_at_exit() -> None:
         _closed = True
         deleting = _deleting
     kept = [getattr(program, "iterator", None) for program in list(_live_programs)]
+    kept.extend(_untracked_iterators())
     _keep_forever([iterator for iterator in kept if iterator is not None])
     del kept
     while True:
@@ -141,11 +144,21 @@ def _finish_at_exit() -> None:
         _exit_now()
 
 
+def _untracked_iterators() -> list:
+    """Every tf.data iterator object still alive, also those no Program holds (a numerics twin's,
+    an async-ps coordinator's, the user's own): each holds an iterator resource whose deletion
+    at finalization would wait like the others (measured: 28 s after a test file's summary)."""
+    iterator_ops = sys.modules.get("tensorflow.python.data.ops.iterator_ops")
+    owned = getattr(iterator_ops, "OwnedIterator", None)
+    if owned is None:  # TensorFlow not imported, or its layout changed: the tracked ones only
+        return []
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), owned)]  # 0.1 s for 400k objects
+
+
 def _exit_now() -> None:
     """Ends the process before finalization, as cleanly as that allows."""
     import logging
     import os
-    import sys
 
     code = exit_code_hint if exit_code_hint is not None else (1 if hasattr(sys, "last_value") else 0)
     weakref.finalize._exitfunc()  # e.g. temporary folders; their atexit hook may run after this one
