@@ -220,16 +220,15 @@ class ChunkLoop:
         # later run of the same program (e.g. after a warm-up run) is timed from its first step.
         compiling = not program.fused_traced
         status, reason = "finished", None
+        stopping = False
         while True:
-            while (
-                not (run.stop_requested or reason)
-                and scheduled < target
-                and len(in_flight) < executor.max_in_flight
-            ):
+            while not (stopping or reason) and scheduled < target and len(in_flight) < executor.max_in_flight:
                 chunk = min(k, target - scheduled, self._steps_to_next_checkpoint(scheduled))
-                chunk, stop = executor.agree(chunk, run.stop_requested)
-                if stop:
-                    run.stop()  # another worker asked: stop here too
+                # The stop request goes through the agreement too: every worker of a multi-worker
+                # run must make the same number of agreements and stop at the same step.
+                chunk, stopping = executor.agree(chunk, run.stop_requested)
+                if stopping:
+                    run.stop()  # (another worker may have asked: stop here too)
                     break
                 submitted = time.perf_counter()  # before: an in-process submit runs the chunk
                 in_flight.append((executor.submit(chunk), chunk, submitted))
@@ -284,7 +283,7 @@ class ChunkLoop:
                     per_step = (now - t0) / done
                 k = int(min(MAX_STEPS_PER_EXECUTION, k * 10, max(1, CHUNK_SECONDS / max(per_step, 1e-9))))
             first_call = False
-        if status == "finished" and not reason and run.stop_requested and program.steps_done < target:
+        if status == "finished" and not reason and stopping and program.steps_done < target:
             status, reason = "stopped", run.stopped_reason(program.steps_done)
         return status, reason
 
