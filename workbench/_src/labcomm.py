@@ -5,7 +5,7 @@ session (the devices, the session's replicator, the recent runs with their step,
 throughput) and pushes it to every open comm of target TARGET as one "snapshot" message:
 
   kernel -> frontend  {"type": "snapshot", "protocol": 1, "devices": {...}, "replicator": {...}|None,
-                       "runs": [run, ...] (newest first)}
+                       "runs": [run, ...] (newest first), "notify_after_seconds": s}
                       {"type": "figure", "run_id", "name", "png": base64}     (reply to "figure")
                       {"type": "error", "text"}
                       {"type": "runs", "rows": [...]}   (reply to "runs": the run store, wb.runs())
@@ -47,6 +47,7 @@ TARGET = "workbench.lab"
 PROTOCOL = 1
 MIN_INTERVAL = 0.25  # s between pushes for one run: <= 4 a second, whatever the training speed
 MAX_RUNS = 24  # recent runs shown (this kernel's, newest first; a scaling study makes two per configuration)
+NOTIFY_ENV, DEFAULT_NOTIFY_AFTER = "WORKBENCH_NOTIFY_AFTER", 30.0  # seconds
 MAX_COMMS = 8  # comms of reloaded pages are never closed; keep the newest few
 
 _lock = threading.RLock()
@@ -100,7 +101,18 @@ def snapshot() -> dict:
             "devices": _devices,
             "replicator": _replicator,
             "runs": runs,
+            "notify_after_seconds": _notify_after(),
         }
+
+
+def _notify_after() -> float:
+    """Runs at least this long raise a notification when they end unseen (WORKBENCH_NOTIFY_AFTER)."""
+    import os
+
+    try:
+        return float(os.environ.get(NOTIFY_ENV, DEFAULT_NOTIFY_AFTER))
+    except ValueError:
+        return DEFAULT_NOTIFY_AFTER
 
 
 # ----- comms ---------------------------------------------------------------------------------

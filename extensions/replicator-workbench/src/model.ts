@@ -122,11 +122,12 @@ export function formatDuration(seconds: number | null | undefined): string {
 export function newlyEndedLongRuns(
   before: ISnapshot | null,
   after: ISnapshot | null,
-  longSeconds = 30
+  longSeconds?: number
 ): IRunInfo[] {
   if (!before || !after) {
     return [];
   }
+  const long = longSeconds ?? after.notify_after_seconds ?? 30;
   const wasRunning = new Set(before.runs.filter(isRunning).map(r => r.id));
   return after.runs.filter(
     r =>
@@ -135,7 +136,7 @@ export function newlyEndedLongRuns(
       !r.warmup &&
       r.started !== null &&
       r.ended !== null &&
-      r.ended - r.started >= longSeconds
+      r.ended - r.started >= long
   );
 }
 
@@ -145,6 +146,8 @@ export interface ISnapshot {
   devices: IDevices | null;
   replicator: IReplicatorInfo | null;
   runs: IRunInfo[];
+  /** Runs at least this long raise a notification when they end unseen (WORKBENCH_NOTIFY_AFTER). */
+  notify_after_seconds?: number;
 }
 
 /**
@@ -174,7 +177,9 @@ export function parseSnapshot(data: unknown): ISnapshot | null {
     protocol: typeof message.protocol === 'number' ? message.protocol : 0,
     devices: (message.devices as IDevices | null) ?? null,
     replicator: (message.replicator as IReplicatorInfo | null) ?? null,
-    runs: message.runs as IRunInfo[]
+    runs: message.runs as IRunInfo[],
+    notify_after_seconds:
+      typeof message.notify_after_seconds === 'number' ? message.notify_after_seconds : undefined
   };
 }
 

@@ -173,4 +173,6 @@ test('a notification is due for a long run that just ended, not for short ones o
   ]);
   assert.deepEqual(newlyEndedLongRuns(before, after).map(r => r.id), ['long']);
   assert.deepEqual(newlyEndedLongRuns(after, after), []);
+  // The kernel sets the threshold (WORKBENCH_NOTIFY_AFTER): 1 s makes the 5 s run long too.
+  assert.deepEqual(newlyEndedLongRuns(before, { ...after, notify_after_seconds: 1 }).map(r => r.id), ['long', 'short']);
 });
