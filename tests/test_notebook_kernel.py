@@ -131,9 +131,18 @@ def test_a_jupyter_interrupt_stops_the_run_at_a_step_boundary(tmp_path, monkeypa
         assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["status"] == "ok"  # no KeyboardInterrupt traceback: a clean stop
         _drain_stdout(kc, msg_id)
-        status, out = _execute(kc, "print(r.status, r.steps, wb.load_run(r.id).status, 6 * 7)")
-        run_status, steps, recorded, answer = out.split()
-        assert (status, run_status, recorded, answer) == ("ok", "interrupted", "interrupted", "42")
+        status, out = _execute(
+            kc, "print(r.status, r.steps, wb.load_run(r.id).status, r.stop_reason.split()[0], 6 * 7)"
+        )
+        run_status, steps, recorded, why, answer = out.split()
+        # A Jupyter interrupt ends the run as a Stop does ("stopped"); the reason says which.
+        assert (status, run_status, recorded, why, answer) == (
+            "ok",
+            "stopped",
+            "stopped",
+            "interrupted",
+            "42",
+        )
         assert 20 <= int(steps) < 100000000
         # The kernel is usable and trains again.
         status, out = _execute(kc, "r2 = %replicate step_fn input_fn --steps 5 --no-live\nprint(r2)")
