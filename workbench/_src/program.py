@@ -30,6 +30,10 @@ from workbench._src.optimizer import OptimizerNeedsBuild
 from workbench._src.tf_setup import tf
 
 BATCH_SIZE_KEY = "__batch_size__"
+# Backends whose fused loop keeps metric rows per local replica and reduces them once per chunk
+# (their strategies give local results in device order; TPU and parameter servers keep the
+# per-step reduce).
+LOCAL_ROWS_BACKENDS = ("single", "mirrored", "multi-worker")
 
 
 class Program:
@@ -95,6 +99,8 @@ class Program:
     def _fused_graph(self, iterator, n):
         t = tf()
         strategy = self.replicator.strategy
+        if self.infinite_input and self.replicator.backend in LOCAL_ROWS_BACKENDS:
+            return self._fused_plain(iterator, n), n
         if self.infinite_input:
             # The loop a TensorFlow expert writes by hand: no end-of-input check in the body.
             rows = t.TensorArray(t.float32, size=n)
@@ -115,6 +121,32 @@ class Program:
             self._step_taken()
             done = i + 1
         return rows.stack(), done
+
+    def _fused_plain(self, iterator, n):
+        """n steps of the hand-written loop; the metric rows are summed over replicas once per
+        chunk, not once per step: each local replica keeps its own rows on its own device, and a
+        single reduce at the end sums them (under multi-worker, one collective per chunk instead
+        of one more per step beside the gradients')."""
+        t = tf()
+        strategy = self.replicator.strategy
+        devices = strategy.extended.worker_devices  # this process's replicas, in local order
+        tables = []
+        for device in devices:
+            with t.device(device):
+                tables.append(t.TensorArray(t.float32, size=n))
+        for i in t.range(n):
+            per_replica = strategy.run(self._metrics_step, args=(next(iterator),))
+            local = strategy.experimental_local_results(per_replica)
+            tables = [table.write(i, row) for table, row in zip(tables, local)]
+            self._step_taken()
+        stacks = []
+        for device, table in zip(devices, tables):
+            with t.device(device):
+                stacks.append(table.stack())
+        rows = strategy.experimental_distribute_values_from_function(
+            lambda ctx: stacks[ctx.replica_id_in_sync_group % len(stacks)]
+        )
+        return strategy.reduce("SUM", rows, axis=None)
 
     def _step_taken(self):
         """Traced once per step of the fused loop; a subclass may count steps here (async-ps does)."""
