@@ -126,26 +126,33 @@ def _spe(text: str):
 
 
 class _ProgressPrinter:
-    """One line per second at most: step, metrics, throughput."""
+    """One line per second at most: steps of the run, metrics, and the run's figures (the same
+    definitions as every other view: workbench/_src/figures.py)."""
 
     def __init__(self, steps: int):
         self.steps, self.last = steps, 0.0
+        self.columns: dict[str, list] = {"wall_time": [], "examples_per_sec": []}
 
     def __call__(self, event) -> None:
+        from workbench._src.figures import describe, figures
+
         if event.kind == "message":
             print(f"[workbench] {event.data.get('text')}", flush=True)
         if event.kind != "metrics" or not event.data["rows"]:
             return
+        for row in event.data["rows"]:
+            self.columns["wall_time"].append(row["wall_time"])
+            self.columns["examples_per_sec"].append(row.get("examples_per_sec", float("nan")))
         now = time.monotonic()
-        row = event.data["rows"][-1]
-        if now - self.last < 1.0 and row["step"] < self.steps:
+        done = len(self.columns["wall_time"])
+        if now - self.last < 1.0 and done < self.steps:
             return
         self.last = now
+        row = event.data["rows"][-1]
         metrics = " ".join(
             f"{k} {v:.4g}"
             for k, v in row.items()
             if k not in ("step", "wall_time", "examples_per_sec", "workers")
         )
-        rate = row.get("examples_per_sec")
-        rate_text = f" {rate:.0f} ex/s" if rate == rate else ""
-        print(f"step {row['step']}/{self.steps} {metrics}{rate_text}", flush=True)
+        figs = figures(self.columns, running=done < self.steps, target_steps=self.steps)
+        print(f"step {done}/{self.steps} {metrics} \u00b7 {describe(figs)}", flush=True)
