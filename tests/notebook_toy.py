@@ -32,8 +32,9 @@ def define_toy(repl, namespace: dict) -> dict:
 @contextlib.contextmanager
 def isolated_notebook_state(runs_dir):
     """Runs recorded under runs_dir; session, run store and default sinks restored afterwards."""
-    from workbench._src import runstore, session
+    from workbench._src import session
     from workbench._src.sinks import _default_factories as SINK_FACTORIES
+    from workbench._src.sinks import runstore
 
     factories = list(SINK_FACTORIES)
     override = runstore._override

@@ -11,8 +11,8 @@ from notebook_toy import ipython_shell
 
 import workbench as wb
 from workbench._src import figure
-from workbench._src.dashboard import Dashboard
 from workbench._src.run import Event
+from workbench._src.sinks.dashboard import Dashboard
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -30,7 +30,7 @@ import nbformat
 import pytest
 from notebook_toy import TOY_CELL
 
-from workbench._src.labcomm import TARGET
+from workbench._src.sinks.labcomm import TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTENSION = ROOT / "extensions" / "replicator-workbench"
@@ -113,7 +113,7 @@ def _run0(data: dict) -> dict:
 
 
 def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(tmp_path, monkeypatch):
-    """The comm protocol of workbench/_src/labcomm.py in a real kernel, as the sidebar uses it."""
+    """The comm protocol of workbench/_src/sinks/labcomm.py in a real kernel, as the sidebar uses it."""
     from jupyter_client.manager import start_new_kernel
 
     monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))
@@ -566,7 +566,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
 
 
 def test_scaling_study_runs_form_one_group_in_the_sidebar():
-    from workbench._src.labcomm import study_group
+    from workbench._src.sinks.labcomm import study_group
 
     assert study_group("scaling weak n=4") == ("scaling weak", False)
     assert study_group("scaling strong n=2 warm-up") == ("scaling strong", True)

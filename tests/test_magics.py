@@ -41,8 +41,8 @@ def test_load_ext_registers_the_magic_and_configures_virtual_cpus(ip):
     assert "replicate" in ip.magics_manager.magics["line"]
     assert "replicate" in ip.magics_manager.magics["cell"]
     assert wb.device_summary()["virtual_cpus"] >= 4
-    from workbench._src import runstore
     from workbench._src.sinks import _default_factories as SINK_FACTORIES
+    from workbench._src.sinks import runstore
 
     runstore.uninstall()
     ip.run_line_magic("reload_ext", "workbench")  # what a fresh kernel's %load_ext does
@@ -85,15 +85,6 @@ def test_mistakes_raise_usage_errors_that_say_the_fix(ip, line, message):
     ip.user_ns.update(step_fn=lambda b: {}, input_fn=lambda c: None)
     with pytest.raises(UsageError, match=re.compile(message, re.S)):
         magic(ip, line)
-
-
-@pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
-def test_a_backend_missing_from_this_version_says_so(ip, monkeypatch, backend):
-    from workbench._src.backends import BACKENDS
-
-    monkeypatch.delitem(BACKENDS, backend, raising=False)  # as before the process backends landed
-    with pytest.raises(UsageError, match=rf"'{backend}' backend is not available.*yet.*--backend mirrored"):
-        magic(ip, f"--backend {backend} --workers 2")
 
 
 def test_no_replicator_chosen_says_how(ip):

@@ -15,7 +15,7 @@ from notebook_toy import define_toy, isolated_notebook_state
 from tensorflow.python.summary.summary_iterator import summary_iterator
 
 import workbench as wb
-from workbench._src import runstore
+from workbench._src.sinks import runstore
 
 
 def wait_for(condition, timeout=60):

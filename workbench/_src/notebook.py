@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from workbench import ui
 from workbench._src.runhistory import load_run, runs
-from workbench._src.runstore import set_runs_dir
 from workbench._src.session import current, use
+from workbench._src.sinks.runstore import set_runs_dir
 
 __all__ = ["current", "load_ipython_extension", "load_run", "runs", "set_runs_dir", "ui", "use"]
 
@@ -23,8 +23,8 @@ def load_ipython_extension(ipython) -> None:
 
     Call `wb.configure_devices(cpus=N)` before `%load_ext workbench` for a count other than 8.
     """
-    from workbench._src import labcomm, runstore
     from workbench._src.magics import ReplicateMagics
+    from workbench._src.sinks import labcomm, runstore
     from workbench._src.tf_setup import DEFAULT_VIRTUAL_CPUS, configure_devices
 
     ipython.register_magics(ReplicateMagics)

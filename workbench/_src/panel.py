@@ -14,7 +14,7 @@ import ipywidgets as w
 import traitlets
 
 from workbench._src import session
-from workbench._src.dashboard import Dashboard
+from workbench._src.sinks.dashboard import Dashboard
 from workbench._src.tf_setup import device_summary
 
 

@@ -1,6 +1,6 @@
 """Reading the run store back: `wb.runs()` lists recorded runs, `wb.load_run()` reloads one.
 
-The folders are written by `workbench._src.runstore` (see its docstring for the layout).
+The folders are written by `workbench._src.sinks.runstore` (see its docstring for the layout).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 
 from workbench._src.errors import ConfigurationError
-from workbench._src.runstore import CONFIG, EVENTS, FIGURE, HISTORY, _recorded, runs_dir
+from workbench._src.sinks.runstore import CONFIG, EVENTS, FIGURE, HISTORY, _recorded, runs_dir
 
 
 @dataclasses.dataclass

@@ -233,11 +233,11 @@ def train(
       cell, namespace: a %%replicate cell's source and the notebook namespace, for backends
         whose steps run in other processes (multi-worker): the source travels, not functions.
     """
-    from workbench._src import runstore
+    from workbench._src.sinks import runstore
 
     runstore.install()
     if dashboard is None and live:
-        from workbench._src.dashboard import Dashboard
+        from workbench._src.sinks.dashboard import Dashboard
 
         dashboard = Dashboard()
     sinks = [dashboard] if dashboard is not None else []

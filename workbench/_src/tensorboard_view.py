@@ -12,7 +12,8 @@ from pathlib import Path
 
 def logdir_for(which: str | None) -> Path:
     """The event-file folder of run `which` (an id, 'latest', or 'all' for every run)."""
-    from workbench._src import runhistory, runstore
+    from workbench._src import runhistory
+    from workbench._src.sinks import runstore
 
     if which in (None, "", "all"):
         return runstore.runs_dir()

@@ -37,8 +37,8 @@ def dashboard(**options):
 
     Loss and other metrics and examples/s against step, a progress bar with ETA; redrawn a few
     times a second at most, off the training thread; a static PNG when the run ends. Options:
-    see `workbench._src.dashboard.Dashboard` (display, frontend, max_rate_hz, render_budget).
+    see `workbench._src.sinks.dashboard.Dashboard` (display, frontend, max_rate_hz, render_budget).
     """
-    from workbench._src.dashboard import Dashboard
+    from workbench._src.sinks.dashboard import Dashboard
 
     return Dashboard(**options)

@@ -1,7 +1,7 @@
 /**
  * The extension's logic without JupyterLab: the kernel's messages, what to show, what Stop does.
  *
- * The kernel side is workbench/_src/labcomm.py; its docstring defines the protocol. Everything
+ * The kernel side is workbench/_src/sinks/labcomm.py; its docstring defines the protocol. Everything
  * here is a pure function of a snapshot, so it is unit-tested under node (test/model.test.ts).
  */
 

@@ -265,7 +265,7 @@ class Dashboard:
         reason = shown_reason(self.status, (self._ended or {}).get("reason"))
         text = title + (f" ({reason})" if reason else "")
         if self.frontend == "console":
-            from workbench._src import runstore
+            from workbench._src.sinks import runstore
 
             where = runstore.record_dir(self.run_id)
             print(text + (f"; figure: {where}/{runstore.FIGURE}" if where else ""), flush=True)

@@ -176,7 +176,7 @@ def _stop(run_id: str | None) -> bool:
 
 def _figure(run_id: str | None) -> dict:
     """The dashboard PNG of run `run_id`, or of the newest run that has one."""
-    from workbench._src import runstore
+    from workbench._src.sinks import runstore
 
     with _lock:
         ids = [run_id] if run_id else [w.run_id for w in reversed(_watchers.values()) if not w.running]
@@ -235,7 +235,8 @@ def _runs_rows() -> list[dict]:
 
 
 def _export(run_id: str, what: str) -> dict:
-    from workbench._src import runhistory, runstore
+    from workbench._src import runhistory
+    from workbench._src.sinks import runstore
 
     rec = runhistory.load_run(run_id)
     if what == "figure":
