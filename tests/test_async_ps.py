@@ -19,7 +19,6 @@ import tensorflow as tf
 from test_network_isolation import connect_error, host_addresses
 from test_process_backends import (  # noqa: F401 - no_orphans is an autouse fixture
     PROCESS_CELL,
-    make_model,
     no_orphans,
     notebook,
     process_pid,
@@ -184,16 +183,3 @@ def test_unusable_checkpoint_dir_is_refused_before_any_process_starts(tmp_path):
             repl.train(setup=regression_setup, steps=5, checkpoint_dir=a_file)
         assert str(a_file) in str(info.value)
     assert time.monotonic() - started < 5  # refused here, not after starting workers
-
-
-def test_kernel_model_cannot_travel_and_the_error_says_so():
-    repl = wb.MultiWorkerAsyncReplicator(num_workers=1)
-    model = make_model()
-
-    def step_fn(x, y):
-        return {"loss": tf.reduce_mean(model(x))}
-
-    with pytest.raises(wb.ConfigurationError, match=r"TensorFlow state.*setup=build"):
-        repl.train(step_fn, regression_input_fn, steps=5)
-    with pytest.raises(wb.ConfigurationError, match="no strategy"):
-        repl.strategy  # noqa: B018

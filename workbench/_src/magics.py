@@ -303,15 +303,10 @@ class ReplicateMagics(Magics):
 
     def defined_functions(self, ns: dict | None = None):
         """(step_fn, input_fn) from the namespace (the notebook's) after a %%replicate cell ran."""
-        ns = self.shell.user_ns if ns is None else ns
-        missing = [n for n in ("step_fn", "input_fn") if not callable(ns.get(n))]
-        if missing:
-            raise UsageError(
-                f"The %%replicate cell must define step_fn(batch) and input_fn(ctx); {' and '.join(missing)} "
-                "is not defined (or not a function). Fix: add e.g.\n"
-                "  def input_fn(ctx): return dataset\n  def step_fn(batch): ...; return {'loss': loss}"
-            )
-        return ns["step_fn"], ns["input_fn"]
+        try:
+            return cells.functions_defined(self.shell.user_ns if ns is None else ns)
+        except ConfigurationError as e:
+            raise UsageError(str(e)) from None
 
     def lookup_functions(self, names: list[str], roles: tuple[str, str], options: str):
         """The two named notebook functions, checked (defined, callable, not swapped)."""
