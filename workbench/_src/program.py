@@ -64,7 +64,7 @@ class Program:
         # (reaper.py); when this program is garbage, its iterator is deleted on the reaper thread,
         # not on whichever thread (the notebook's, a training run's) the garbage collector runs.
         self._iterator_finalizer = weakref.finalize(self, reaper.discard_iterators, [self.iterator])
-        self._iterator_finalizer.atexit = False  # exit deletes it through reaper.track instead
+        self._iterator_finalizer.atexit = False  # at exit reaper.track keeps it alive: never deleted
         reaper.track(self)
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
         self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
