@@ -59,7 +59,8 @@ class Program:
             worker_id=replicator.worker_id,
         )
         self.infinite_input = _is_infinite(self.dataset)
-        self.iterator = iter(self.dataset)
+        with _no_cyclic_gc():  # (a collection here could free an old iterator on this thread)
+            self.iterator = iter(self.dataset)
         # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
         # (reaper.py); when this program is garbage, its iterator is deleted on the reaper thread,
         # not on whichever thread (the notebook's, a training run's) the garbage collector runs.
