@@ -371,3 +371,16 @@ def test_peers_waiting_for_each_other_all_go_on():
     for server in servers:
         server.close()
     assert all(isinstance(results.get(i), float) for i in range(3)), results
+
+
+@pytest.mark.parametrize("run_id", ["../x", "../../etc", "a/b", "..", "/tmp/x"])
+def test_load_run_refuses_ids_that_leave_the_runs_folder(tmp_path, run_id):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    outside = tmp_path / "x"  # a folder that looks like a run, beside the runs folder
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    with pytest.raises(
+        wb.ConfigurationError, match=r"A run id is the name of one folder.*received.*Fix: pick an id"
+    ):
+        wb.load_run(run_id, directory=runs)

@@ -194,6 +194,13 @@ def _find(base: Path, run_id, any_base: bool = False) -> Path:
             )
         return Path(listing["path"].iloc[run_id])
     run_id = getattr(run_id, "id", run_id)  # a wb.Run works too
+    if not isinstance(run_id, str) or not run_id or Path(run_id).name != run_id or run_id in (".", ".."):
+        # A run id is one folder name inside the runs folder: never a path that leaves it.
+        raise ConfigurationError(
+            f"A run id is the name of one folder in the runs folder {base}; received {run_id!r}, "
+            "which is a path (or not a name). Fix: pick an id from wb.runs() (the 'run' column), or "
+            "pass directory= the folder that holds the run."
+        )
     if run_id in _recorded and (any_base or _recorded[run_id].parent.resolve() == base.resolve()):
         return _recorded[run_id]
     if (base / str(run_id) / CONFIG).exists():

@@ -131,8 +131,10 @@ class MultiWorkerReplicator(Replicator):
         }
 
     def _resolver_or_default(self):
-        if self._resolver is None:
-            self._resolver = tf().distribute.cluster_resolver.TFConfigClusterResolver()
+        if self._resolver is None:  # a launched worker: TF_CONFIG, checked as the user's would be
+            from workbench._src.cluster_resolver import cluster_resolver
+
+            self._resolver = cluster_resolver("TF_CONFIG")
         return self._resolver
 
     def _make_strategy(self):
