@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from workbench._src.errors import InputError, WorkerError
-from workbench._src.program import Program, call_compiled
+from workbench._src.program import Program, _is_infinite, call_compiled
 from workbench._src.tf_setup import tf
 
 
@@ -37,6 +37,10 @@ class AsyncProgram(Program):
             return strategy.distribute_datasets_from_function(dataset_fn)
 
         self.iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+        # An endless input (`.repeat()`) gets the fused loop without an end check, as the
+        # hand-written closure has; the per-worker iterator does not tell, so ask a dataset
+        # built here (graph construction only: nothing is read).
+        self.infinite_input = _is_infinite(call_input_fn(input_fn, ctx))
         self._one_step = t.function(self._one_step_graph)
         self._fused = t.function(self._fused_graph)
 
