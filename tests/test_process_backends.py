@@ -325,8 +325,10 @@ KERNEL_SCRIPT = textwrap.dedent(
     ps = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
     ps_run = ps.train(setup=t.regression_setup, steps=10**6, background=True)
     run = wb.MultiWorkerReplicator(num_workers=2).train(setup=t.regression_setup, steps=10**6, background=True)
-    while run.steps < 5 or ps_run.steps < 5:
+    while (run.steps < 5 or ps_run.steps < 5) and not (run.ended or ps_run.ended):
         time.sleep(0.1)
+    if run.ended or ps_run.ended:  # say why, instead of leaving the test to time out
+        print("ENDED", run.status, run.stop_reason, ps_run.status, ps_run.stop_reason, flush=True)
     print(" ".join(str(p["pid"]) for p in run.processes + ps_run.processes), flush=True)
     time.sleep(600)
     """
@@ -345,16 +347,21 @@ def alive(pid: int) -> bool:
 def test_killed_kernel_leaves_no_processes(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL_SCRIPT.format(tests=os.path.dirname(__file__)))
-    kernel = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
+    with open(tmp_path / "kernel.log", "w") as log:  # the script's stderr, for the error message
+        kernel = subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=log, text=True
+        )
     try:
         line: list[str] = []
         ready = threading.Event()
         threading.Thread(
             target=lambda: (line.append(kernel.stdout.readline()), ready.set()), daemon=True
         ).start()
-        assert ready.wait(240), "the kernel script did not start its clusters"
+        started = ready.wait(240)
+        assert started and not line[0].startswith("ENDED"), (
+            f"the kernel script did not start its clusters: {line[:1]}\n"
+            + (tmp_path / "kernel.log").read_text()[-3000:]
+        )
         pids = [int(p) for p in line[0].split()]
         # 2 sync workers; the async-ps coordinator, its worker and its parameter server
         assert len(pids) == 5 and all(alive(p) for p in pids), line

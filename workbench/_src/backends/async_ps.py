@@ -71,7 +71,7 @@ class MultiWorkerAsyncReplicator(Replicator):
         num_ps: int = 1,
         cluster=None,
         *,
-        startup_timeout: float = 60.0,
+        startup_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         threads_per_server: int | None = None,
         **input_options,
