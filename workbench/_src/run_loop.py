@@ -21,6 +21,7 @@ of a second.
 from __future__ import annotations
 
 import collections
+import os
 import signal
 import threading
 import time
@@ -305,18 +306,21 @@ class ChunkLoop:
         if not n:
             return
         per_step = (t1 - t0) / n
-        rate = self._rate(rows, t0, t1) if timed else float("nan")
+        if not timed:
+            rates = [float("nan")] * n
+        elif self.executor.rate_window_seconds:
+            rates = [self._windowed_rate(rows, t1)] * n
+        else:  # each step's batch over its share of the chunk's time
+            rates = list(rows[:, -1] / per_step)
         extra = self.executor.extra_columns()
         out = []
         for i in range(n):
             row = {
                 "step": first_step + i,
                 "wall_time": t0 + per_step * (i + 1),
-                "examples_per_sec": rate if self.executor.rate_window_seconds else rows[i, -1] / per_step,
+                "examples_per_sec": rates[i],
                 **extra,
             }
-            if not timed:
-                row["examples_per_sec"] = float("nan")
             for j, metric in enumerate(names):
                 value = float(rows[i, j])
                 summed = self.reduce.get(metric, "mean") == "sum"
@@ -324,13 +328,11 @@ class ChunkLoop:
             out.append(row)
         self.run.record_rows(out)
 
-    def _rate(self, rows, t0: float, t1: float) -> float:
-        """Examples/s of this chunk; over the last `rate_window_seconds` of results when results
-        return in bursts (several async workers finish together)."""
+    def _windowed_rate(self, rows, t1: float) -> float:
+        """Examples/s over the last `rate_window_seconds` of results: they return in bursts
+        (several async workers finish together), so one chunk's own time says little."""
         examples = float(rows[:, -1].sum())
         window = self.executor.rate_window_seconds
-        if not window:
-            return examples / max(t1 - t0, 1e-12)
         self.recent.append((t1, examples))
         while len(self.recent) > 2 and t1 - self.recent[1][0] >= window:
             self.recent.popleft()
@@ -361,16 +363,24 @@ def _with_checkpoint_hint(error: BaseException, saver) -> BaseException:
 
     if not isinstance(error, WorkerError) or not error.args:
         return error
-    if saver is not None and saver.manager.latest_checkpoint:
-        hint = (
-            f" The last checkpoint is {saver.manager.latest_checkpoint}: build the model on a new "
-            f"replicator and call repl.restore({saver.directory!r}), or train again with "
-            "checkpoint_dir= that folder to go on."
-        )
-    else:
-        hint = " Pass checkpoint_dir= (and checkpoint_every=) to keep a checkpoint next time."
+    latest = saver.manager.latest_checkpoint if saver is not None else None
+    hint = (
+        checkpoint_hint(latest)
+        or " Pass checkpoint_dir= (and checkpoint_every=) to keep a checkpoint next time."
+    )
     error.args = (f"{error.args[0]}{hint}", *error.args[1:])
     return error
+
+
+def checkpoint_hint(latest: str | None) -> str:
+    """What a failed run's error says about its last checkpoint ('' when there is none)."""
+    if not latest:
+        return ""
+    return (
+        f" The last checkpoint is {latest}: build the model on a new replicator and call "
+        f"repl.restore({os.path.dirname(latest)!r}), or train again with checkpoint_dir= that "
+        "folder to go on."
+    )
 
 
 def first_nonfinite(rows: np.ndarray, first_step: int, names, on_nonfinite: str, checkpoint_kept: bool):

@@ -87,7 +87,7 @@ class Launcher:
 
     # ----- a launched run -------------------------------------------------------------------
     def _train(self, work, steps, options, local_variables):
-        from workbench._src.run_loop import drive, new_run
+        from workbench._src.run_loop import checkpoint_hint, drive, new_run
         from workbench._src.run_options import options_from
 
         opts = options_from(steps, options)
@@ -98,10 +98,11 @@ class Launcher:
             try:
                 results = self.launch(work, run)
             except WorkerError as error:
-                if "checkpoint" not in error.args[0]:
-                    error.args = (error.args[0] + self._checkpoint_hint(run),)
+                if "checkpoint" not in error.args[0]:  # (an async coordinator's names it already)
+                    saved = [e.data.get("path") for e in run.events if e.kind == "checkpoint"]
+                    error.args = (error.args[0] + checkpoint_hint(saved[-1] if saved else None),)
                 raise
-            chief = results[self.chief_task()]
+            chief = results[self.chief]
             run.compile_seconds = chief.get("compile_seconds")
             if chief.get("executed_steps") is not None:
                 run.executed_steps = chief["executed_steps"]
@@ -114,19 +115,6 @@ class Launcher:
 
         return drive(run, body, opts.background, opts.on_nonfinite)
 
-    @staticmethod
-    def _checkpoint_hint(run) -> str:
-        saved = [e.data.get("path") for e in run.events if e.kind == "checkpoint"]
-        if not saved:
-            return ""
-        return (
-            f" The last checkpoint is {saved[-1]}: build the model on a new replicator and call "
-            "repl.restore(its folder), or train again with checkpoint_dir= that folder to go on."
-        )
-
-    def chief_task(self) -> str:
-        return self.repl._launch_plan()[0].name
-
     def launch(self, work, run=None, timeout: float | None = None) -> dict:
         """Starts the processes, hands them `work`, follows them to the end; returns task -> result."""
         from workbench._src.launch.channel import Channel
@@ -135,6 +123,7 @@ class Launcher:
         work.replicator_options = self.repl._options_for_processes()
         payload = shipping.dumps_for_workers(work)
         tasks = self.repl._launch_plan()
+        self.chief = tasks[0].name  # whose run events and result are the run's
         group = ProcessGroup(self.repl.backend)
         channel = Channel(group)
         watch = _Watch(self, tasks, group, channel, run, payload, timeout)
