@@ -258,6 +258,34 @@ def test_multi_worker_frozen_worker_is_named_within_30_seconds():
     assert time.monotonic() - frozen < 30
 
 
+def worker_number(repl):
+    return repl.worker_id
+
+
+def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatch):
+    # The race CI once lost: a worker sends its result, says done and exits; the launcher's
+    # poll sees the exit before it has read those messages. Here that order is forced: the
+    # first result is held back until its worker has exited, and the poll runs first.
+    from workbench._src.launch import launcher
+
+    handle = launcher._Watch._handle
+    held = []
+
+    def read_late(watch, task, message):
+        if message.get("type") == "result" and not held:
+            held.append(task)
+            watch._child(task).popen.wait(timeout=60)
+            time.sleep(0.3)  # its "done" and "disconnected" reach the queue behind it
+            watch.channel.messages.queue.appendleft((task, message))  # unread again, first in line
+            watch._check()  # the poll between the exit and the read
+            return
+        handle(watch, task, message)
+
+    monkeypatch.setattr(launcher._Watch, "_handle", read_late)
+    results = wb.MultiWorkerReplicator(num_workers=2).run_on_workers(worker_number)
+    assert held and sorted(results) == [0, 1]
+
+
 def test_peer_that_never_starts_gives_a_startup_timeout(tmp_path):
     from workbench._src.launch.processes import free_ports
 

@@ -183,8 +183,9 @@ class _Watch:
             self.launcher.last_processes.extend(message["children"])
         elif kind == "event":
             self._relay(task, message)
-        elif kind == "result":
+        elif kind == "result":  # its work is delivered: however it exits now, it is not a fault
             self.results[task] = message["value"]
+            self._child(task).expected_exit = True
         elif kind == "done":
             self._child(task).expected_exit = True
         elif kind == "error":
@@ -278,14 +279,16 @@ class _Watch:
                 task, message = self.channel.messages.get(timeout=0.05)
             except queue.Empty:
                 continue
-            self.heard[task] = time.monotonic()
-            if message.get("type") == "error":
+            kind = message.get("type")
+            if kind == "error":
+                self.heard[task] = time.monotonic()
                 errors[task] = message
                 self._child(task).expected_exit = True
-            elif message.get("type") == "result":
-                self.results[task] = message["value"]
-            elif message.get("type") == "event":
-                self._relay(task, message)  # the history up to the failure
+            elif kind != "disconnected":  # (handling that would check again, from within a check)
+                # Everything else as usual: the history up to the failure, and the "result" and
+                # "done" of a worker that finished cleanly just before the process table showed
+                # its exit (missing that "done" once named a finished worker as the culprit).
+                self._handle(task, message)
         return errors
 
     def _report_errors(self, errors: dict) -> None:
