@@ -109,6 +109,10 @@ class CoordinatorExecutor:
         threading.Thread(target=fetch, name="workbench fetch", daemon=True).start()
         while not fetched.wait(0.1):
             self.repl._check_servers(self.run)
+        # And once per chunk however fast it returned: a worker that died while every fetch
+        # came back within the poll (the coordinator re-ran its closures elsewhere) is still
+        # reported, at the step it was noticed, not never.
+        self.repl._check_servers(self.run)
         if "error" in box:
             return self._lost_or_raise(box["error"])
         rows, done = box["value"]
@@ -148,7 +152,7 @@ class CoordinatorExecutor:
 
     def healthy(self) -> bool:
         try:
-            self.repl._check_servers()
+            self.repl._check_servers(self.run)  # (a worker lost in the last chunk is reported)
         except WorkerError:
             return False
         return True
