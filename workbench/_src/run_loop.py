@@ -216,6 +216,7 @@ class ChunkLoop:
         in_flight: collections.deque = collections.deque()  # (handle, chunk, submitted at)
         k = self.fixed_k or 1
         start = last = time.perf_counter()
+        paced_from = None  # (time, steps done) after the first call: the pace excludes tracing
         first_call = True
         # The first call of a program's fused loop traces and compiles it: not a throughput. A
         # later run of the same program (e.g. after a warm-up run) is timed from its first step.
@@ -278,11 +279,18 @@ class ChunkLoop:
                     # Chunks overlap and return in bursts: pace by the run's average time per
                     # step and worker, not by the gap since the last result (which would grow
                     # chunks far past CHUNK_SECONDS, and then a worker's whole chunk runs beside
-                    # another's on older weights: the history's step order would mislead).
-                    per_step = (now - start) / (program.steps_done - first_step) * executor.parallelism()
+                    # another's on older weights: the history's step order would mislead). The
+                    # average starts after the first call: counting its tracing kept chunks at
+                    # a fraction of their length for a whole short run.
+                    paced_time, paced_steps = paced_from
+                    per_step = (
+                        (now - paced_time) / (program.steps_done - paced_steps) * executor.parallelism()
+                    )
                 else:
                     per_step = (now - t0) / done
                 k = int(min(MAX_STEPS_PER_EXECUTION, k * 10, max(1, CHUNK_SECONDS / max(per_step, 1e-9))))
+            if first_call:
+                paced_from = (now, program.steps_done)
             first_call = False
         if status == "finished" and not reason and stopping and program.steps_done < target:
             status, reason = "stopped", run.stopped_reason(program.steps_done)
