@@ -263,7 +263,7 @@ def worker_number(repl):
 
 
 def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatch):
-    # The race CI once lost: a worker sends its result, says done and exits; the launcher's
+    # The race CI once lost: a worker sends its result and exits; the launcher's
     # poll sees the exit before it has read those messages. Here that order is forced: the
     # first result is held back until its worker has exited, and the poll runs first.
     from workbench._src.launch import launcher
@@ -275,7 +275,7 @@ def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatc
         if message.get("type") == "result" and not held:
             held.append(task)
             watch._child(task).popen.wait(timeout=60)
-            time.sleep(0.3)  # its "done" and "disconnected" reach the queue behind it
+            time.sleep(0.3)  # its "disconnected" reaches the queue behind it
             watch.channel.messages.queue.appendleft((task, message))  # unread again, first in line
             watch._check()  # the poll between the exit and the read
             return

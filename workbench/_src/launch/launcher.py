@@ -186,8 +186,6 @@ class _Watch:
         elif kind == "result":  # its work is delivered: however it exits now, it is not a fault
             self.results[task] = message["value"]
             self._child(task).expected_exit = True
-        elif kind == "done":
-            self._child(task).expected_exit = True
         elif kind == "error":
             self._fail_after_error(task, message)
         elif kind == "disconnected" and task not in self.results:
@@ -285,9 +283,9 @@ class _Watch:
                 errors[task] = message
                 self._child(task).expected_exit = True
             elif kind != "disconnected":  # (handling that would check again, from within a check)
-                # Everything else as usual: the history up to the failure, and the "result" and
-                # "done" of a worker that finished cleanly just before the process table showed
-                # its exit (missing that "done" once named a finished worker as the culprit).
+                # Everything else as usual: the history up to the failure, and the "result" of a
+                # worker that finished cleanly just before the process table showed its exit
+                # (dropping what came with it once named a finished worker as the culprit).
                 self._handle(task, message)
         return errors
 

@@ -38,8 +38,7 @@ def main() -> None:
 
         work = cloudpickle.loads(message["payload"])
         result = work(repl, link)
-        link.send({"type": "result", "value": result})
-        link.send({"type": "done"})
+        link.send({"type": "result", "value": result})  # (the launcher expects the exit after it)
         code = 0
     except BaseException as error:  # noqa: BLE001 - reported to the launcher, which raises it
         from workbench._src.launch.shipping import format_exception
