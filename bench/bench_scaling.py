@@ -36,7 +36,7 @@ def main() -> None:
     import tensorflow as tf
     from sklearn.datasets import load_digits
 
-    from workbench._src.scaling import SUMMARY_COLUMNS
+    from workbench._src.studies.scaling import SUMMARY_COLUMNS
 
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype("float32"), y.astype("int32")

@@ -21,7 +21,7 @@ def data():
 
 def pytest_sessionfinish(session, exitstatus):
     # If an input iterator's deletion is under way at exit, the reaper ends the process at once
-    # rather than wait 10-40 s for it (workbench/_src/reaper.py); tell it the status to end with.
-    from workbench._src import reaper
+    # rather than wait 10-40 s for it (workbench/_src/core/reaper.py); tell it the status to end with.
+    from workbench._src.core import reaper
 
     reaper.exit_code_hint = int(exitstatus)

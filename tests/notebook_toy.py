@@ -32,7 +32,7 @@ def define_toy(repl, namespace: dict) -> dict:
 @contextlib.contextmanager
 def isolated_notebook_state(runs_dir):
     """Runs recorded under runs_dir; session, run store and default sinks restored afterwards."""
-    from workbench._src import session
+    from workbench._src.notebook import session
     from workbench._src.sinks import _default_factories as SINK_FACTORIES
     from workbench._src.sinks import runstore
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 from toy_models import make_mlp, toy_data
 
 import workbench as wb
-from workbench._src.checkpoints import Saver, check_writable_directory, saved_names
+from workbench._src.core.checkpoints import Saver, check_writable_directory, saved_names
 
 
 def _setup(repl, seed=0):

@@ -10,8 +10,8 @@ from IPython.utils.capture import capture_output
 from notebook_toy import ipython_shell
 
 import workbench as wb
-from workbench._src import figure
-from workbench._src.run import Event
+from workbench._src.core.run import Event
+from workbench._src.plots import run_plot
 from workbench._src.sinks.dashboard import Dashboard
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -144,7 +144,7 @@ def test_a_broken_plot_never_touches_training(monkeypatch):
     def broken(*args):
         raise RuntimeError("no fonts today")
 
-    monkeypatch.setattr(figure, "render", broken)
+    monkeypatch.setattr(run_plot, "render", broken)
     repl = wb.replicator("single")
     run = repl.train(
         lambda x: {"v": tf.reduce_sum(x)},

@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import tensorflow as tf
 
-    from workbench._src.reaper import discard_programs
+    from workbench._src.core.reaper import discard_programs
 
     features = np.random.RandomState(0).randn(256, 8).astype("float32")
     targets = features.sum(axis=1, keepdims=True)

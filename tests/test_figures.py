@@ -1,10 +1,10 @@
-"""One truth on screen: the run's figures are defined and formatted once (workbench/_src/figures.py)."""
+"""One truth on screen: the run's figures are defined and formatted once (workbench/_src/core/run_stats.py)."""
 
 import math
 
 import pytest
 
-from workbench._src.figures import figures, fmt, fmt_duration, shown_reason
+from workbench._src.core.run_stats import figures, fmt, fmt_duration, shown_reason
 
 
 def loop_rows(chunks, per_step=0.001, gap=0.0005, batch=128, compile_seconds=2.0, first_step=1):

@@ -146,7 +146,7 @@ def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(
         assert 4 <= len(runs) <= 4 * 4 + 1 and steps == sorted(steps) and steps[-1] > steps[0], steps
         assert runs[-1]["steps_per_sec"] > 0 and runs[-1]["loss"] is not None
         assert runs[-1]["target_step"] == 100000000 and runs[-1]["backend"] == "mirrored"
-        # The figures of workbench/_src/figures.py: examples/s = steps/s x 16 (the toy's batch);
+        # The figures of workbench/_src/core/run_stats.py: examples/s = steps/s x 16 (the toy's batch);
         # the ETA from the same steps/s.
         last = runs[-1]
         assert last["examples_per_sec"] == pytest.approx(last["steps_per_sec"] * 16, rel=1e-2), last

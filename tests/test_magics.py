@@ -10,8 +10,8 @@ from IPython.core.error import UsageError
 from notebook_toy import TOY_CELL, ipython_shell, isolated_notebook_state
 
 import workbench as wb
-from workbench._src import session
-from workbench._src.reaper import discard_programs
+from workbench._src.core.reaper import discard_programs
+from workbench._src.notebook import session
 
 
 @pytest.fixture(scope="module")

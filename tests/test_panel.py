@@ -7,7 +7,7 @@ import traitlets
 from notebook_toy import TOY_CELL, ipython_shell, isolated_notebook_state
 
 import workbench as wb
-from workbench._src import session
+from workbench._src.notebook import session
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 PRELUDE = textwrap.dedent(
     """
     import sys, threading, time
-    from workbench._src import reaper
+    from workbench._src.core import reaper
 
     log = open(sys.argv[1], "a")
 

@@ -266,7 +266,7 @@ RUN_ID = r"^\d{8}-\d{6}-[0-9a-f]{6}-\d{3,}$"
 
 
 def test_run_ids_are_unique_across_processes_and_sort_by_time():
-    code = "from workbench._src.run import Run\nprint(' '.join(Run({}).id for _ in range(3)))"
+    code = "from workbench._src.core.run import Run\nprint(' '.join(Run({}).id for _ in range(3)))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)
     ]

@@ -161,8 +161,8 @@ def test_history_is_flushed_while_running(runs_dir, toy, monkeypatch):
 
 
 def test_one_truth_summary_run_store_and_runs_table_agree(runs_dir, toy):
-    """steps/s and examples/s: one definition (workbench/_src/figures.py) wherever shown."""
-    from workbench._src.figures import fmt
+    """steps/s and examples/s: one definition (workbench/_src/core/run_stats.py) wherever shown."""
+    from workbench._src.core.run_stats import fmt
 
     a = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=60, steps_per_execution=20)
     b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=40, steps_per_execution=20)
@@ -202,7 +202,7 @@ def test_replicate_tensorboard_points_at_the_run_store_event_files(runs_dir, toy
     from IPython.core.error import UsageError
     from notebook_toy import ipython_shell
 
-    from workbench._src.tensorboard_view import logdir_for
+    from workbench._src.notebook.tensorboard_view import logdir_for
 
     run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=5)
     assert logdir_for("latest") == logdir_for(run.id) == runs_dir / run.id / "tb"

@@ -9,14 +9,14 @@ import tensorflow as tf
 from toy_models import FEATURES, make_mlp, toy_data
 
 import workbench as wb
-from workbench._src.scaling import (
+from workbench._src.plots.scaling_plot import LiveScalingPlot
+from workbench._src.studies.scaling import (
     ScalingContext,
     ScalingStudy,
     reference_speedup,
     scaling_metrics,
     scaling_study,
 )
-from workbench._src.scaling_plot import LiveScalingPlot
 
 FAST = {"steps": 6, "warmup": 2, "steps_per_execution": 3, "live": False}
 
@@ -173,7 +173,7 @@ def test_errors_say_what_was_received_and_the_fix(kwargs, pattern):
 
 
 def test_input_context_carries_the_batch_size_when_a_study_prescribes_one():
-    from workbench._src.inputs import InputContext
+    from workbench._src.core.inputs import InputContext
 
     plain = InputContext(None, 4)
     assert plain.global_batch_size is None and plain.batch_size_per_replica is None

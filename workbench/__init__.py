@@ -19,10 +19,7 @@ from workbench._src.backends.mirrored import MultiGpuReplicator
 from workbench._src.backends.multi_worker import MultiWorkerReplicator
 from workbench._src.backends.single import NonReplicator
 from workbench._src.backends.tpu import TpuReplicator
-from workbench._src.batchnorm import CrossReplicaBatchNorm
-from workbench._src.batchnorm_report import BatchNormReport, batchnorm_report
-from workbench._src.compare import Comparison, compare_runs
-from workbench._src.errors import (
+from workbench._src.core.errors import (
     ConfigurationError,
     DeviceError,
     InputError,
@@ -33,15 +30,26 @@ from workbench._src.errors import (
     WorkbenchError,
     WorkerError,
 )
-from workbench._src.inputs import InputContext, InputReplication
-from workbench._src.loss_scaling import LossScalingReport, check_loss_scaling
-from workbench._src.notebook import current, load_ipython_extension, load_run, runs, set_runs_dir, ui, use
-from workbench._src.numerics import compare_numerics, plot_numerics
-from workbench._src.replicator import Replicator
-from workbench._src.run import Event, Run
-from workbench._src.runhistory import delete_runs
-from workbench._src.scaling import ScalingStudy, scaling_study
-from workbench._src.tf_setup import configure_devices, device_summary
+from workbench._src.core.inputs import InputContext, InputReplication
+from workbench._src.core.replicator import Replicator
+from workbench._src.core.run import Event, Run
+from workbench._src.core.tf_setup import configure_devices, device_summary
+from workbench._src.notebook.extension import (
+    current,
+    load_ipython_extension,
+    load_run,
+    runs,
+    set_runs_dir,
+    ui,
+    use,
+)
+from workbench._src.numerics.batchnorm import CrossReplicaBatchNorm
+from workbench._src.numerics.batchnorm_report import BatchNormReport, batchnorm_report
+from workbench._src.numerics.differences import compare_numerics, plot_numerics
+from workbench._src.numerics.loss_scaling import LossScalingReport, check_loss_scaling
+from workbench._src.store.compare import Comparison, compare_runs
+from workbench._src.store.runhistory import delete_runs
+from workbench._src.studies.scaling import ScalingStudy, scaling_study
 
 __version__ = "0.1.0"
 

@@ -77,15 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--cpus", type=int, help="virtual CPU devices here (mirrored; default max(8, counts))")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from workbench._src.demo import demo as run_demo
+        from workbench._src.scripts.demo import demo as run_demo
 
         run_demo(replicas=args.replicas, steps=args.steps, out=args.out)
         return 0
     if args.command == "scale":
-        from workbench._src.run_file import scale_file
+        from workbench._src.scripts.run_file import scale_file
 
         return scale_file(args)
-    from workbench._src.run_file import run_file
+    from workbench._src.scripts.run_file import run_file
 
     return run_file(args)
 

@@ -27,7 +27,7 @@ def panel(namespace: dict | None = None):
       >>> p.magic_line               # doctest: +SKIP
       '%replicate step_fn input_fn --backend mirrored --replicas 2 --steps 300 --background'
     """
-    from workbench._src.panel import Panel
+    from workbench._src.notebook.panel import Panel
 
     return Panel(namespace=namespace)
 

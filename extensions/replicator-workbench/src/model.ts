@@ -216,7 +216,7 @@ export function lastEndedRun(snapshot: ISnapshot | null): IRunInfo | null {
 
 /**
  * 1234.5 -> "1,235"; 12.345 -> "12.3"; 0.01234 -> "0.012"; null -> "–". The kernel's
- * workbench/_src/figures.py `fmt` follows the same rules, so both print a figure identically.
+ * workbench/_src/core/run_stats.py `fmt` follows the same rules, so both print a figure identically.
  */
 export function formatNumber(value: number | null | undefined): string {
   if (value === null || value === undefined || !Number.isFinite(value)) {

@@ -4,7 +4,7 @@
 
 import { ISnapshot } from './model';
 
-/** The body: runs inside repl.context() under %%replicate (see workbench/_src/magics.py). */
+/** The body: runs inside repl.context() under %%replicate (see workbench/_src/notebook/magics.py). */
 const BODY = `# Runs inside repl.context(): variables built here are replicated; \`repl\` is the replicator.
 import tensorflow as tf, keras
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workbench._src.errors import ConfigurationError, check_positive_int
+from workbench._src.core.errors import ConfigurationError, check_positive_int
 
 # name -> (module, class, what it is).
 BACKENDS = {

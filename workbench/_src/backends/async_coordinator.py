@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from workbench._src.errors import InputError, WorkerError
-from workbench._src.program import Program, _is_infinite, call_compiled
-from workbench._src.tf_setup import tf
+from workbench._src.core.errors import InputError, WorkerError
+from workbench._src.core.program import Program, _is_infinite, call_compiled
+from workbench._src.core.tf_setup import tf
 
 
 class AsyncProgram(Program):
@@ -26,7 +26,7 @@ class AsyncProgram(Program):
         t = tf()
         strategy = replicator.strategy
         coordinator = replicator.coordinator
-        from workbench._src.inputs import InputContext, call_input_fn
+        from workbench._src.core.inputs import InputContext, call_input_fn
 
         ctx = InputContext(None, replicator.num_workers, 0, replicator.num_workers, 1)
 

@@ -33,10 +33,10 @@ import json
 import time
 import weakref
 
-from workbench._src.errors import ConfigurationError, WorkerError, check_positive_int
+from workbench._src.core.errors import ConfigurationError, WorkerError, check_positive_int
+from workbench._src.core.replicator import Replicator
+from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
-from workbench._src.replicator import Replicator
-from workbench._src.tf_setup import tf
 
 SERVER_MODULE = "workbench._src.launch.server_main"
 _connected = None  # weakref to the replicator whose cluster this process uses (one at a time)
@@ -144,7 +144,7 @@ class MultiWorkerAsyncReplicator(Replicator):
     def _resolver(self):
         t = tf()
         if self._cluster_option is not None:
-            from workbench._src.cluster_resolver import cluster_resolver
+            from workbench._src.core.cluster_resolver import cluster_resolver
 
             resolver = cluster_resolver(self._cluster_option)
             spec = resolver.cluster_spec().as_dict()

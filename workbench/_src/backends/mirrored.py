@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from workbench._src.errors import ConfigurationError, DeviceError, check_positive_int
-from workbench._src.replicator import Replicator
-from workbench._src.tf_setup import accelerator_devices, tf, too_late_error
+from workbench._src.core.errors import ConfigurationError, DeviceError, check_positive_int
+from workbench._src.core.replicator import Replicator
+from workbench._src.core.tf_setup import accelerator_devices, tf, too_late_error
 
 
 class MultiGpuReplicator(Replicator):

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import tempfile
 
-from workbench._src.errors import ConfigurationError, check_positive_int
+from workbench._src.core.errors import ConfigurationError, check_positive_int
+from workbench._src.core.replicator import Replicator
+from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
-from workbench._src.replicator import Replicator
-from workbench._src.tf_setup import tf
 
 
 class MultiWorkerReplicator(Replicator):
@@ -60,7 +60,7 @@ class MultiWorkerReplicator(Replicator):
         check_positive_int("num_workers", num_workers)
         if devices_per_worker is not None:
             check_positive_int("devices_per_worker", devices_per_worker)
-        from workbench._src.cluster_resolver import cluster_resolver
+        from workbench._src.core.cluster_resolver import cluster_resolver
 
         self._resolver = cluster_resolver(cluster) if cluster is not None else None
         self._num_workers = num_workers
@@ -132,7 +132,7 @@ class MultiWorkerReplicator(Replicator):
 
     def _resolver_or_default(self):
         if self._resolver is None:  # a launched worker: TF_CONFIG, checked as the user's would be
-            from workbench._src.cluster_resolver import cluster_resolver
+            from workbench._src.core.cluster_resolver import cluster_resolver
 
             self._resolver = cluster_resolver("TF_CONFIG")
         return self._resolver

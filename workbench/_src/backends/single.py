@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from workbench._src.errors import ConfigurationError, check_positive_int
-from workbench._src.replicator import Replicator
-from workbench._src.tf_setup import accelerator_devices, tf
+from workbench._src.core.errors import ConfigurationError, check_positive_int
+from workbench._src.core.replicator import Replicator
+from workbench._src.core.tf_setup import accelerator_devices, tf
 
 
 class NonReplicator(Replicator):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from workbench._src.errors import ConfigurationError, TpuUnavailableError, check_positive_int
-from workbench._src.replicator import Replicator
-from workbench._src.tf_setup import tf
+from workbench._src.core.errors import ConfigurationError, TpuUnavailableError, check_positive_int
+from workbench._src.core.replicator import Replicator
+from workbench._src.core.tf_setup import tf
 
 
 class TpuReplicator(Replicator):

@@ -58,7 +58,7 @@ def wait_for_peers(resolver, timeout: float, poll: float = POLL_SECONDS) -> floa
     A peer seen once counts as started (it may be inside its own constructor, between releasing
     its placeholder and TensorFlow binding the port).
     """
-    from workbench._src.errors import WorkerError
+    from workbench._src.core.errors import WorkerError
 
     start = time.monotonic()
     peers = peer_addresses(resolver)

@@ -16,7 +16,7 @@ import dataclasses
 import queue
 import time
 
-from workbench._src.errors import ConfigurationError, WorkerError
+from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.launch import shipping
 
 WORKER_MODULE = "workbench._src.launch.worker_main"
@@ -75,7 +75,7 @@ class Launcher:
         """Runs a cell's source here, in the replicator's local context, so its mistakes show at
         once and the notebook gets its names (and `model`); returns (a CellSetup that rebuilds
         the cell in each process with the notebook's picklable names, the variables made here)."""
-        from workbench._src.cells import CELL_FILENAME, execute_source
+        from workbench._src.core.cells import CELL_FILENAME, execute_source
 
         filename = filename or CELL_FILENAME
         namespace.setdefault("repl", self.repl)
@@ -87,8 +87,8 @@ class Launcher:
 
     # ----- a launched run -------------------------------------------------------------------
     def _train(self, work, steps, options, local_variables):
-        from workbench._src.run_loop import checkpoint_hint, drive, new_run
-        from workbench._src.run_options import options_from
+        from workbench._src.core.run_loop import checkpoint_hint, drive, new_run
+        from workbench._src.core.run_options import options_from
 
         opts = options_from(steps, options)
         work.steps, work.options = steps, opts.for_workers()
@@ -292,7 +292,7 @@ class _Watch:
     def _report_errors(self, errors: dict) -> None:
         first = min(errors, key=_task_order)  # the same mistake on every worker: report the chief's
         error = errors[first]
-        from workbench._src import errors as workbench_errors
+        from workbench._src.core import errors as workbench_errors
 
         kind = getattr(workbench_errors, error.get("error_class") or "", None)
         if kind is not None and kind is not WorkerError:

@@ -35,7 +35,7 @@ def process_replicator():
     global _replicator
     if _replicator is None:
         from workbench._src.backends import backend_class
-        from workbench._src.errors import ConfigurationError
+        from workbench._src.core.errors import ConfigurationError
 
         if not _launched or BACKEND_ENV not in os.environ:
             raise ConfigurationError(

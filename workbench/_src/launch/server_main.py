@@ -17,7 +17,7 @@ def main() -> None:
     exit_when_parent_dies()
     cluster = json.loads(os.environ["WORKBENCH_CLUSTER"])
     job, index = os.environ[TASK_ENV].split(":")
-    from workbench._src import tf_setup
+    from workbench._src.core import tf_setup
 
     tf_setup._requested_cpus = 1  # one CPU device per server: the coordinator places the work
     t = tf_setup.tf()

@@ -59,7 +59,7 @@ def main() -> None:
 
 
 def _configure_tensorflow() -> None:
-    from workbench._src import tf_setup
+    from workbench._src.core import tf_setup
 
     tf_setup._requested_cpus = int(os.environ.get("WORKBENCH_WORKER_DEVICES", "1"))
     t = tf_setup.tf()

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from workbench._src import figure
-from workbench._src.figures import figures, fmt, fmt_duration, shown_reason
-from workbench._src.run import Event
+from workbench._src.core.run import Event
+from workbench._src.core.run_stats import figures, fmt, fmt_duration, shown_reason
+from workbench._src.plots import run_plot
 
 Frontend = Literal["auto", "widgets", "console"]
 # tqdm without its own rate and ETA (the postfix carries the run's figures instead).
@@ -74,7 +74,7 @@ class Dashboard:
             raise ValueError(f"frontend must be 'auto', 'widgets' or 'console'; received {frontend!r}.")
         self.period = 1.0 / max_rate_hz
         self.render_budget = render_budget
-        self.history = figure.History()
+        self.history = run_plot.History()
         self.started = False
         self.status = "waiting"
         self.run_id: str | None = None
@@ -193,18 +193,20 @@ class Dashboard:
             self._bar.close() if self._bar is not None else None
             return
         columns = self.history.snapshot()
-        summary = figure.summarize(columns)
+        summary = run_plot.summarize(columns)
         running = not final and self.status == "running"
-        self._update_bar(summary, figures(columns, running, self.target), figure.metric_names(columns), final)
+        self._update_bar(
+            summary, figures(columns, running, self.target), run_plot.metric_names(columns), final
+        )
         now = time.monotonic()
-        title = figure.title_for(self.config, self.status, columns, self.name, self.target)
+        title = run_plot.title_for(self.config, self.status, columns, self.name, self.target)
         if final:
-            self.png = figure.final_png(self.run_id or "?", columns, title)
+            self.png = run_plot.final_png(self.run_id or "?", columns, title)
             self._show_final(summary, title)
         elif self.frontend == "widgets" and len(columns.get("step", ())) > 1 and now >= self._next_plot:
             t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
-            live_title = figure.title_for(self.config, self.status, columns, self.name, numbers=False)
-            self.png = figure.render(columns, live_title)  # the header above carries the numbers
+            live_title = run_plot.title_for(self.config, self.status, columns, self.name, numbers=False)
+            self.png = run_plot.render(columns, live_title)  # the header above carries the numbers
             self._image.value = self.png
             self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
             cost = time.thread_time() - t0
@@ -242,7 +244,7 @@ class Dashboard:
             self._bar.reset(total=self.config.get("steps"))
         done = summary.get("steps", 0)  # counted from the run's start, as every view counts them
         if done > self._bar.n:
-            # The run's figures (workbench._src.figures), not tqdm's own rate and ETA: the bar
+            # The run's figures (workbench._src.core.run_stats), not tqdm's own rate and ETA: the bar
             # then says what the sidebar, the status bar and the summary say.
             postfix = {k: f"{summary[k]:.4g}" for k in metrics[:2]}
             postfix["steps/s"] = fmt(fig["steps_per_sec"])

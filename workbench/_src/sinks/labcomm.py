@@ -17,7 +17,7 @@ throughput) and pushes it to every open comm of target TARGET as one "snapshot" 
                       {"type": "delete", "run_ids": [...]} (answered with "runs"),
                       {"type": "export", "run_id": id, "what": "csv" | "figure"}
 
-Every figure a run shows (steps, steps/s, examples/s, ETA) comes from workbench._src.figures,
+Every figure a run shows (steps, steps/s, examples/s, ETA) comes from workbench._src.core.run_stats,
 as in wb.Run.summary(), the dashboard and the run store.
 
 Nothing polls: a run's sink pushes when something changes, at most 1/MIN_INTERVAL times a second
@@ -41,7 +41,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from workbench._src.figures import RESERVED, figures, shown_reason
+from workbench._src.core.run_stats import RESERVED, figures, shown_reason
 
 TARGET = "workbench.lab"
 PROTOCOL = 1
@@ -75,7 +75,7 @@ def register(ipython=None) -> bool:
             return True
         import comm
 
-        from workbench._src import session
+        from workbench._src.notebook import session
         from workbench._src.sinks import register_default
 
         comm.get_comm_manager().register_target(TARGET, _on_open)
@@ -201,7 +201,7 @@ def _figure(run_id: str | None) -> dict:
 
 def _store_request(kind: str, data: dict) -> dict:
     """The runs table's requests, answered from the run store (every recorded run, any kernel)."""
-    from workbench._src import compare, runhistory
+    from workbench._src.store import compare, runhistory
 
     try:
         if kind == "delete":
@@ -220,7 +220,7 @@ def _store_request(kind: str, data: dict) -> dict:
 
 
 def _runs_rows() -> list[dict]:
-    from workbench._src import compare, runhistory
+    from workbench._src.store import compare, runhistory
 
     table = runhistory.runs()
     keep = [
@@ -235,8 +235,8 @@ def _runs_rows() -> list[dict]:
 
 
 def _export(run_id: str, what: str) -> dict:
-    from workbench._src import runhistory
     from workbench._src.sinks import runstore
+    from workbench._src.store import runhistory
 
     rec = runhistory.load_run(run_id)
     if what == "figure":
@@ -275,7 +275,7 @@ def _on_session_change(repl, choice) -> None:
 def _describe_session() -> None:
     """Describes the session's replicator now (main thread), so pushes from runs need no TF call."""
     global _replicator
-    from workbench._src import session
+    from workbench._src.notebook import session
 
     repl = session.current_or_none()
     if repl is None:
@@ -287,7 +287,7 @@ def _describe_session() -> None:
 
 
 def _device_info() -> dict:
-    from workbench._src.tf_setup import device_summary
+    from workbench._src.core.tf_setup import device_summary
 
     return _jsonable(device_summary())
 
@@ -303,7 +303,7 @@ def _watch(run) -> _RunWatcher:
 
 
 class _RunWatcher:
-    """A run's sink: keeps its step, metrics and figures (workbench._src.figures); pushes rate-limited."""
+    """A run's sink: keeps its step, metrics and figures (workbench._src.core.run_stats); pushes rate-limited."""
 
     def __init__(self, run):
         self.run = run  # dropped at the end: a finished run's history is not kept alive here

@@ -7,7 +7,7 @@ Layout, one folder per run under the runs directory (default ./runs; WORKBENCH_R
            events.jsonl    every event but metrics (started, checkpoint, message, ended)
            dashboard.png   the run's figure
            tb/             TensorBoard event files (`tensorboard --logdir runs`)
-Reading them back: `workbench._src.runhistory` (wb.runs, wb.load_run).
+Reading them back: `workbench._src.store.runhistory` (wb.runs, wb.load_run).
 The recorder is a sink registered as a default sink (workbench._src.sinks) by `install()` (which
 `%load_ext workbench` and `wb.set_runs_dir` call); the heavy writing happens at the end.
 """
@@ -23,8 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from workbench._src import figure
-from workbench._src.run import Event
+from workbench._src.core.run import Event
+from workbench._src.plots import run_plot
 
 ENV_VAR = "WORKBENCH_RUNS_DIR"
 DEFAULT_DIR = "runs"
@@ -105,7 +105,7 @@ class Recorder:
         self.run_id, self.name = run_id, name
         self.path = _new_folder(Path(base), run_id)
         _recorded[run_id] = self.path
-        self.history = figure.History()
+        self.history = run_plot.History()
         self.record: dict = {
             "id": run_id,
             "name": name,
@@ -137,13 +137,13 @@ class Recorder:
             status=event.data.get("status"),
             stop_reason=event.data.get("reason"),
             ended=event.time,
-            summary=figure.summarize(columns),
+            summary=run_plot.summarize(columns),
         )
         self.record.setdefault("started", event.time)
         self._write_history(columns)
         self._write_record()  # the essentials are safe before the slower parts below
         config = self.record.get("config", {})
-        title = figure.title_for(config, self.record["status"], columns, self.name, config.get("steps"))
+        title = run_plot.title_for(config, self.record["status"], columns, self.name, config.get("steps"))
         for what, write in (
             ("figure", lambda: self._write_figure(columns, title)),
             ("tensorboard", lambda: _write_tensorboard(self.path / TENSORBOARD, columns)),
@@ -156,7 +156,7 @@ class Recorder:
 
     def _write_figure(self, columns: dict, title: str) -> None:
         if columns.get("step"):
-            (self.path / FIGURE).write_bytes(figure.final_png(self.run_id, columns, title))
+            (self.path / FIGURE).write_bytes(run_plot.final_png(self.run_id, columns, title))
 
     def _append_event(self, event: Event) -> None:
         line = json.dumps(
@@ -209,10 +209,10 @@ def _write_tensorboard(path: Path, columns: dict) -> None:
         return
     import numpy as np
 
-    from workbench._src.tf_setup import tf
+    from workbench._src.core.tf_setup import tf
 
     t = tf()
-    names = figure.metric_names(columns) + ["examples_per_sec"]
+    names = run_plot.metric_names(columns) + ["examples_per_sec"]
     steps = np.asarray(columns["step"], dtype=np.int64)
     steps = steps - steps[0] + 1  # counted from the run's start, as every view counts them
     values = np.stack([np.asarray(columns[n], dtype=np.float32) for n in names], axis=1)

@@ -1,0 +1,1 @@
+"""The core: the Replicator, its programs, the run loop, the Run and what they share."""

@@ -1,0 +1,206 @@
+"""Checkpoints of a run: what is saved, where, and how it is restored.
+
+Layout (issue 17): the objects the run was told to save sit at the top level of the checkpoint
+under the names given (`checkpoint={"model": model, "optimizer": opt}` -> `model`, `optimizer`),
+beside the workbench's own `step` (int64, the exact step count) and TensorFlow's `save_counter`.
+So TensorFlow's own restore code reads it unchanged:
+
+    tf.train.Checkpoint(model=new_model, optimizer=new_opt).restore(tf.train.latest_checkpoint(d))
+
+Without `checkpoint=` the run saves the variables created in repl.context() as the list
+`variables` (in creation order): `tf.train.Checkpoint(variables=[...same order...])` reads it.
+Checkpoints written before issue 17 nested everything under `run` (`Checkpoint(run=items,
+step=step)`); both readers here recognise that layout and load it too.
+
+`Saver` is the run loop's tf.train.CheckpointManager; `restore_latest` is `Replicator.restore`;
+`check_writable_directory` is the run loop's (and the launcher's) early check of checkpoint_dir.
+"""
+
+from __future__ import annotations
+
+import os
+
+from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.tf_setup import tf
+
+STEP = "step"  # the workbench's step counter entry
+LEGACY_ROOT = "run"  # where checkpoints written before issue 17 nested the saved objects
+DEFAULT_NAME = "variables"  # the default: every variable created in repl.context(), in order
+# Names the checkpoint's top level already uses: ours, the legacy root, TensorFlow's own counter.
+RESERVED = {
+    STEP: "the workbench's exact step count (int64), saved with every checkpoint",
+    LEGACY_ROOT: "where older workbench versions nested everything they saved",
+    "save_counter": "tf.train.Checkpoint's own save counter",
+}
+
+
+class Saver:
+    """tf.train.CheckpointManager over the run's trackables (top level) plus the exact step count.
+
+    Args:
+      replicator, program: the run's replicator and compiled program (its steps_done is saved).
+      directory: checkpoint_dir.
+      items: a dict of trackables, a tf.train.Checkpoint, or None (the variables created in
+        repl.context(), saved as `variables`).
+      resume: restore_if_any() restores the latest checkpoint in `directory` only when True.
+    """
+
+    def __init__(self, replicator, program, directory, items, resume: bool = True):
+        t = tf()
+        self.directory = os.fspath(directory)
+        # Under multi-worker every worker saves (the save is collective) but only the chief's
+        # copy is kept; every worker restores from the chief's directory.
+        write_directory = replicator._checkpoint_write_directory(self.directory)
+        self.program = program
+        self.resume = bool(resume)
+        self.items = named_items(replicator, items)
+        self.step = t.Variable(0, dtype=t.int64, trainable=False)
+        self.step_checkpoint = t.train.Checkpoint(**self.items, **{STEP: self.step})
+        self.manager = t.train.CheckpointManager(self.step_checkpoint, write_directory, max_to_keep=3)
+
+    def restore_if_any(self) -> int | None:
+        """Restores the latest checkpoint (either layout) when resume=True and this program has not
+        stepped yet; returns the step it was saved at, else None."""
+        if not self.resume or self.program.steps_done:
+            return None
+        latest = tf().train.latest_checkpoint(self.directory)
+        if not latest:
+            return None
+        _reader_for(latest, self.items, self.step).restore(latest)
+        self.program.steps_done = int(self.step.numpy())
+        return self.program.steps_done
+
+    def save(self) -> str | None:
+        if self.manager.latest_checkpoint and self.step.numpy() == self.program.steps_done:
+            return None  # nothing new since the last save
+        self.step.assign(self.program.steps_done)
+        return self.manager.save(checkpoint_number=self.program.steps_done)
+
+
+def named_items(replicator, items) -> dict:
+    """What a checkpoint saves, by top-level name; refuses names the layout already uses."""
+    if items is None:
+        return {DEFAULT_NAME: list(replicator._created_variables)}
+    if isinstance(items, tf().train.Checkpoint):
+        # Its own children (what it was built with), without its private save counter.
+        items = {k: v for k, v in items._trackable_children().items() if k != "save_counter"}
+    if not isinstance(items, dict):
+        raise ConfigurationError(
+            "checkpoint must be a dict of trackables, e.g. {'model': model, 'optimizer': opt}, or a "
+            f"tf.train.Checkpoint; received {type(items).__name__}: {items!r:.80}."
+        )
+    clashes = sorted(set(items) & set(RESERVED))
+    if clashes:
+        what = "; ".join(f"{name!r} is {RESERVED[name]}" for name in clashes)
+        raise ConfigurationError(
+            f"checkpoint names {clashes} clash with the checkpoint's own entries ({what}). Received "
+            f"checkpoint keys {sorted(items)}. Fix: rename them (e.g. 'my_{clashes[0]}'); the step "
+            "count is saved anyway and plain TensorFlow reads it as "
+            "tf.train.Checkpoint(step=tf.Variable(0, dtype=tf.int64))."
+        )
+    # A wrapped optimizer is not itself trackable: its Keras optimizer holds the state.
+    from workbench._src.core.optimizer import ReplicatedOptimizer
+
+    return {k: v.optimizer if isinstance(v, ReplicatedOptimizer) else v for k, v in items.items()}
+
+
+def saved_names(path: str) -> dict[str, list[str]]:
+    """The top-level names of a checkpoint's object graph, each with its own children's names:
+    {"model": [...], "optimizer": [...], "step": [], ...}."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(tf().train.load_checkpoint(path).get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    nodes = graph.nodes
+    return {c.local_name: [g.local_name for g in nodes[c.node_id].children] for c in nodes[0].children}
+
+
+def is_legacy(path: str) -> bool:
+    """True for a checkpoint written before issue 17 (everything nested under `run`)."""
+    return LEGACY_ROOT in saved_names(path)
+
+
+def _reader_for(path: str, items: dict, step):
+    """The tf.train.Checkpoint that reads `path` into `items` and `step`, for either layout."""
+    t = tf()
+    if is_legacy(path):
+        return t.train.Checkpoint(**{LEGACY_ROOT: t.train.Checkpoint(**items), STEP: step})
+    return t.train.Checkpoint(**items, **{STEP: step})
+
+
+def restore_latest(replicator, directory, items=None) -> int:
+    """`Replicator.restore`: the latest checkpoint in `directory` into `items` (default: the
+    variables created in repl.context()); returns the step it was saved at."""
+    t = tf()
+    directory = os.fspath(directory)
+    if items is not None:
+        items = named_items(replicator, items)  # a name clash is refused first
+    latest = t.train.latest_checkpoint(directory)
+    if not latest:
+        raise ConfigurationError(
+            f"No checkpoint to restore in {directory!r}. Fix: give the folder that "
+            "train(checkpoint_dir=...) wrote (it holds a 'checkpoint' file and ckpt-N files)."
+        )
+    if items is None and not replicator._created_variables:
+        raise ConfigurationError(
+            "Nothing to restore into: no variable was created in this replicator's context. "
+            "Fix: build the model (and optimizer) in `with repl.context():` first, as the run "
+            "that saved the checkpoint did, or pass checkpoint={'model': model, ...}."
+        )
+    if items is None:
+        items = named_items(replicator, None)
+    step = t.Variable(0, dtype=t.int64, trainable=False)
+    try:
+        status = _reader_for(latest, items, step).restore(latest)
+        status.expect_partial()  # e.g. an evaluation model without the optimizer's slots
+        status.assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:  # ValueError: a variable of another shape
+        raise ConfigurationError(
+            f"The checkpoint {latest} does not match the variables built here: "
+            f"{str(e).rstrip('.')}. Fix: build "
+            "the model the same way as the run that saved it (same layers, same order), and pass "
+            f"the same checkpoint names it saved ({_saved_names(latest)})."
+        ) from None
+    return int(step.numpy())
+
+
+def _saved_names(path: str) -> str:
+    """The names a checkpoint saved its objects under (old layout: those under `run`), for errors."""
+    try:
+        names = saved_names(path)
+    except Exception:  # noqa: BLE001 - only decorates an error message
+        return "unknown"
+    if LEGACY_ROOT in names:
+        return ", ".join(names[LEGACY_ROOT]) + " (old layout, nested under 'run')"
+    return ", ".join(n for n in names if n not in RESERVED) or "none"
+
+
+def check_writable_directory(path) -> str:
+    """The absolute path of a checkpoint (or runs) folder, created if missing; refused early when
+    it is a file or cannot be written, instead of failing at the first save, steps later.
+
+    URLs (gs://, s3://, hdfs://...) are returned unchanged: TensorFlow's file systems check them.
+    """
+    raw = os.fspath(path)
+    if "://" in raw:
+        return raw
+    absolute = os.path.abspath(os.path.expanduser(raw))
+    fix = "Fix: pass checkpoint_dir= a folder you can write (it is created if missing)."
+    if os.path.exists(absolute) and not os.path.isdir(absolute):
+        raise ConfigurationError(
+            f"checkpoint_dir must be a folder, but {absolute!r} is a file (received "
+            f"checkpoint_dir={raw!r}). {fix}"
+        )
+    try:
+        os.makedirs(absolute, exist_ok=True)
+    except OSError as e:
+        raise ConfigurationError(
+            f"checkpoint_dir {absolute!r} cannot be created: {e.strerror or e} (received "
+            f"checkpoint_dir={raw!r}). {fix}"
+        ) from None
+    if not os.access(absolute, os.W_OK | os.X_OK):
+        raise ConfigurationError(
+            f"checkpoint_dir {absolute!r} is not writable by this process (received "
+            f"checkpoint_dir={raw!r}). {fix}"
+        )
+    return absolute

@@ -1,0 +1,113 @@
+"""RunOptions: what `repl.train` accepts besides the functions, validated once for every backend
+(in-process runs, and launched runs before any process starts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+from workbench._src.core.errors import ConfigurationError, check_positive_int
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """What `repl.train` accepts besides the functions; validated once, for every backend.
+
+    Attributes:
+      steps: steps to run (each step: every replica takes one batch).
+      steps_per_execution: steps fused into one compiled call, or "auto".
+      reduce: how each scalar output is combined across replicas, e.g. {"correct": "sum"}; the
+        default for every scalar is "mean". Non-scalar outputs are not recorded.
+      checkpoint_dir: where to save checkpoints (at the end, every `checkpoint_every` steps, and
+        when the run is stopped or fails); checked before the first step.
+      checkpoint: what to save: a tf.train.Checkpoint or a dict of trackables (e.g.
+        {"model": model, "optimizer": opt}); default: every variable created in repl.context().
+      resume: restore the latest checkpoint in checkpoint_dir first, and go on counting from
+        its step (False: start from the variables as they are, and save over it).
+      on_nonfinite: a NaN/Inf metric "stop"s the run with a warning, "raise"s NonFiniteError
+        (the partial run in `err.run`), or is "ignore"d.
+      warmup: steps run first, before the recorded ones: untimed and not in the history (they
+        absorb tracing; `run.compile_seconds` is their first call's). They do train the model.
+      background: return at once and train in a thread; use run.stop() / run.wait().
+      sinks: callables (or objects with send) that receive the run's events.
+      name: the run's name (default "run N").
+    """
+
+    steps: int
+    steps_per_execution: int | Literal["auto"] = "auto"
+    reduce: dict | None = None
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint: object = None
+    checkpoint_every: int | None = None
+    resume: bool = True
+    on_nonfinite: Literal["stop", "raise", "ignore"] = "stop"
+    warmup: int = 0
+    background: bool = False
+    sinks: tuple = ()
+    name: str | None = None
+
+    def __post_init__(self):
+        steps = self.steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ConfigurationError(
+                f"steps must be a non-negative integer; received steps={steps!r}. Fix: e.g. steps=300."
+            )
+        if self.steps_per_execution != "auto":
+            check_positive_int(
+                "steps_per_execution", self.steps_per_execution, fix="a step count such as 20, or 'auto'"
+            )
+        for metric, op in (self.reduce or {}).items():
+            if op not in ("mean", "sum"):
+                raise ConfigurationError(
+                    f"reduce[{metric!r}] must be 'mean' or 'sum'; received {op!r}. For max/min, "
+                    "reduce inside step_fn with repl.all_reduce(x, 'max') and return the result."
+                )
+        if self.on_nonfinite not in ("stop", "raise", "ignore"):
+            raise ConfigurationError(
+                f"on_nonfinite must be 'stop', 'raise' or 'ignore'; received {self.on_nonfinite!r}."
+            )
+        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
+            raise ConfigurationError(
+                f"warmup must be an integer >= 0 (steps); received warmup={self.warmup!r}. Fix: e.g. warmup=10."
+            )
+        if not isinstance(self.resume, bool):
+            raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
+        if self.checkpoint_every is not None and (
+            not self.checkpoint_dir
+            or not isinstance(self.checkpoint_every, int)
+            or isinstance(self.checkpoint_every, bool)
+            or self.checkpoint_every < 1
+        ):
+            raise ConfigurationError(
+                f"checkpoint_every needs a positive step count and a checkpoint_dir; received "
+                f"checkpoint_every={self.checkpoint_every!r}, checkpoint_dir={self.checkpoint_dir!r}."
+            )
+        if self.checkpoint_dir is not None:
+            from workbench._src.core.checkpoints import check_writable_directory
+
+            self.checkpoint_dir = check_writable_directory(self.checkpoint_dir)
+        self.sinks = tuple(self.sinks or ())
+
+    def for_workers(self) -> dict:
+        """The options a launched process trains with (sinks, background and name stay here)."""
+        keep = (
+            "steps_per_execution",
+            "reduce",
+            "checkpoint_dir",
+            "checkpoint_every",
+            "resume",
+            "on_nonfinite",
+            "warmup",
+        )
+        return {k: getattr(self, k) for k in keep}
+
+
+def options_from(steps, options: dict) -> RunOptions:
+    unknown = set(options) - {f.name for f in dataclasses.fields(RunOptions)}
+    if unknown:
+        valid = ", ".join(f.name for f in dataclasses.fields(RunOptions) if f.name != "steps")
+        raise ConfigurationError(
+            f"train() got unknown option(s) {sorted(unknown)}. Valid options: {valid}, and setup=."
+        )
+    return RunOptions(steps=steps, **options)

@@ -1,0 +1,1 @@
+"""The notebook face: `%replicate`, the panel, the session's replicator."""

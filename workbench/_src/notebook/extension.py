@@ -1,0 +1,41 @@
+"""`%load_ext workbench`, and the notebook-facing names `workbench/__init__.py` re-exports.
+
+Kept free of heavy imports: `import workbench` pulls this in, so IPython, TensorFlow,
+matplotlib, ipywidgets and pandas are imported only by the functions that need them.
+"""
+
+from __future__ import annotations
+
+from workbench import ui
+from workbench._src.notebook.session import current, use
+from workbench._src.sinks.runstore import set_runs_dir
+from workbench._src.store.runhistory import load_run, runs
+
+__all__ = ["current", "load_ipython_extension", "load_run", "runs", "set_runs_dir", "ui", "use"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext workbench`: registers %replicate / %%replicate and prepares the session.
+
+    Also (1) fixes the device layout now, before the notebook's first TensorFlow op, so that
+    mirrored replicas have virtual CPUs to run on where there is no GPU, and (2) turns on the
+    run store, so every run is recorded under wb.runs(). Loading it again is harmless.
+
+    Call `wb.configure_devices(cpus=N)` before `%load_ext workbench` for a count other than 8.
+    """
+    from workbench._src.core.tf_setup import DEFAULT_VIRTUAL_CPUS, configure_devices
+    from workbench._src.notebook.magics import ReplicateMagics
+    from workbench._src.sinks import labcomm, runstore
+
+    ipython.register_magics(ReplicateMagics)
+    runstore.install()
+    devices = configure_devices()
+    labcomm.register(ipython)  # the JupyterLab sidebar's kernel side (a comm target; no-op outside a kernel)
+    if not devices["gpus"] and not devices["tpus"] and devices["virtual_cpus"] < 2:
+        # TensorFlow started before the extension could split the CPU: say so now, not at the
+        # first mirrored run.
+        print(
+            f"workbench: TensorFlow was already initialised with {devices['virtual_cpus']} CPU device, so "
+            "mirrored runs get one replica. Fix: restart the kernel and run `%load_ext workbench` "
+            f"(it configures {DEFAULT_VIRTUAL_CPUS} virtual CPUs) before any other TensorFlow code."
+        )

@@ -1,0 +1,300 @@
+"""`wb.ui.panel()`: pick where the notebook's step runs, Run and Stop it, copy the magic line.
+
+The panel is a thin layer over `workbench._src.notebook.session` (ipywidgets 8): choosing a backend or a
+replica count calls `session.choose`, exactly what `%replicate --backend ...` does, and the panel
+follows choices made by the magic. Its state is plain traitlets (`backend`, `replicas`,
+`workers`, `ps`, `steps`, `magic_line`, `status`), so it is testable without a browser.
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as w
+import traitlets
+
+from workbench._src.core.tf_setup import device_summary
+from workbench._src.notebook import session
+from workbench._src.sinks.dashboard import Dashboard
+
+
+class Panel(w.VBox):
+    """Devices found; backend, replicas, sync/async, workers, steps; Run / Stop; the magic line."""
+
+    backend = traitlets.Unicode("mirrored", help="the chosen backend; unavailable ones are refused")
+    replicas = traitlets.Int(2, help="replicas (mirrored); single and tpu fix their own")
+    workers = traitlets.Int(2, help="worker processes (multi-worker, async-ps)")
+    ps = traitlets.Int(1, help="parameter servers (async-ps)")
+    steps = traitlets.Int(300, help="steps Run trains")
+    magic_line = traitlets.Unicode("", help="the %replicate line that does what Run does")
+    status = traitlets.Unicode("", help="what the panel last did, or why it could not")
+
+    def __init__(self, namespace: dict | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self._namespace = namespace
+        self._syncing = False
+        self.run = None  # the last wb.Run started here
+        self.devices = device_summary()
+        self.max_replicas = max(1, len(self.devices["gpus"]) or self.devices["virtual_cpus"])
+        self.reasons = {name: session.not_available_reason(name) for name in session.KNOWN_BACKENDS}
+        self._build()
+        choice = session.current_choice()
+        if choice:  # open on what the session already uses
+            self._follow(session.current_or_none(), choice)
+        else:
+            self._syncing = True  # a default, not a choice: the session is left alone
+            self.replicas = min(2, self.max_replicas)
+            self._syncing = False
+        self._sync_widgets()
+        self._unobserve_session = session.observe(self._follow)
+
+    # ----- traitlet rules -------------------------------------------------------------------
+    @traitlets.validate("backend")
+    def _valid_backend(self, proposal):
+        name = session.normalize_backend(proposal["value"])
+        if self.reasons.get(name):
+            raise traitlets.TraitError(f"backend {name!r} cannot be chosen here: {self.reasons[name]}.")
+        return name
+
+    @traitlets.validate("replicas")
+    def _valid_replicas(self, proposal):
+        value = proposal["value"]
+        if not 1 <= value <= self.max_replicas:
+            raise traitlets.TraitError(
+                f"replicas must be between 1 and {self.max_replicas} (the devices found); received {value}."
+            )
+        return value
+
+    @traitlets.observe("backend", "replicas", "workers", "ps", "steps")
+    def _on_choice(self, change):
+        self._sync_widgets()
+        if change["name"] != "steps" and not self._syncing:
+            self.apply()
+
+    def apply(self):
+        """Sets the session's replicator from the panel's choice (as the magic does); returns it."""
+        try:
+            repl = session.choose(self.backend, *self._counts())
+        except Exception as e:  # noqa: BLE001 - shown in the panel, a button has no traceback
+            self.status = f"error: {e}"
+            return None
+        self.status = f"session replicator: {repl!r}"
+        return repl
+
+    # ----- Run and Stop ---------------------------------------------------------------------
+    def start(self):
+        """What the Run button does: trains the namespace's step_fn/input_fn in the background."""
+        ns = self._user_namespace()
+        missing = [n for n in ("step_fn", "input_fn") if not callable(ns.get(n))]
+        if missing:
+            self.status = (
+                f"error: {' and '.join(missing)} not defined in the notebook. Fix: define "
+                "input_fn(ctx) and step_fn(batch) in a cell (or a %%replicate cell), then Run."
+            )
+            return None
+        if self.run is not None and self.run.running:
+            self.status = f"error: {self.run.name} is still running; Stop it first."
+            return None
+        repl = self.apply()
+        if repl is None:
+            return None
+        dashboard = Dashboard(display=False, frontend="widgets")
+        self._live.children = [dashboard.widget]
+        try:
+            run = session.train(
+                repl, ns["step_fn"], ns["input_fn"], self.steps, background=True, dashboard=dashboard
+            )
+        except Exception as e:  # noqa: BLE001
+            self._live.children = []
+            self.status = f"error: {type(e).__name__}: {e}"
+            return None
+        self.run = run
+        self._run_button.disabled, self._stop_button.disabled = True, False
+        self.status = f"{run.name} running on {repl!r}"
+        run.subscribe(self._on_event)
+        return run
+
+    def stop(self) -> None:
+        """What the Stop button does: asks the running run to stop at the next step boundary."""
+        if self.run is not None and self.run.running:
+            self.run.stop()
+            self._stop_button.disabled = True
+            self.status = f"{self.run.name}: stopping at the next step boundary"
+
+    def _on_event(self, event) -> None:  # on the training thread: only widget traits change
+        if event.kind == "ended":
+            reason = event.data.get("reason")
+            self.status = f"{self.run.name} {event.data.get('status')} at step {event.step}" + (
+                f" ({reason})" if reason else ""
+            )
+            self._run_button.disabled, self._stop_button.disabled = False, True
+
+    def close(self):
+        self._unobserve_session()
+        super().close()
+
+    # ----- widgets ----------------------------------------------------------------------------
+    def _build(self) -> None:
+        d = self.devices
+        found = (
+            f"{len(d['gpus'])} GPU \u00b7 {len(d['tpus'])} TPU \u00b7 {d['physical_cores']} physical cores "
+            f"\u00b7 {d['virtual_cpus']} {'virtual ' if d['virtual_cpus'] > 1 else ''}CPU device(s)"
+        )
+        self._devices = w.HTML(f"<b>Replicator Workbench</b> &nbsp; devices found: {found}")
+        self._backend_buttons = {}
+        for name in session.KNOWN_BACKENDS:
+            reason = self.reasons[name]
+            button = w.ToggleButton(
+                description=name,
+                disabled=bool(reason),
+                tooltip=reason or f"use the {name} backend",
+                layout=w.Layout(width="auto"),
+            )
+            button.observe(lambda change, name=name: self._on_button(name, change), "value")
+            self._backend_buttons[name] = button
+        async_reason = self.reasons["async-ps"]
+        self._sync_button = w.ToggleButton(
+            description="sync",
+            tooltip="all replicas step together (all-reduce)",
+            layout=w.Layout(width="auto"),
+        )
+        self._async_button = w.ToggleButton(
+            description="async",
+            disabled=bool(async_reason),
+            tooltip=async_reason or "parameter servers",
+            layout=w.Layout(width="auto"),
+        )
+        self._sync_button.observe(
+            lambda c: c["new"] and self.backend in session.ASYNC_BACKENDS and self._pick("mirrored"), "value"
+        )
+        self._async_button.observe(lambda c: c["new"] and self._pick("async-ps"), "value")
+        unavailable = [f"{n}: {r}" for n, r in self.reasons.items() if r]
+        self._reasons = w.HTML("<small>" + "<br>".join(html.escape(u) for u in unavailable) + "</small>")
+        self._replicas = w.BoundedIntText(
+            min=1, max=self.max_replicas, description="replicas", layout=w.Layout(width="170px")
+        )
+        self._workers = w.BoundedIntText(
+            min=1, max=256, description="workers", layout=w.Layout(width="170px")
+        )
+        self._ps = w.BoundedIntText(min=1, max=64, description="ps", layout=w.Layout(width="170px"))
+        self._steps = w.BoundedIntText(min=1, max=10**9, description="steps", layout=w.Layout(width="190px"))
+        for widget, trait in (
+            (self._replicas, "replicas"),
+            (self._workers, "workers"),
+            (self._ps, "ps"),
+            (self._steps, "steps"),
+        ):
+            widget.observe(lambda c, trait=trait: self._set_from_widget(trait, c["new"]), "value")
+        self._run_button = w.Button(
+            description="Run",
+            icon="play",
+            button_style="success",
+            tooltip="train step_fn / input_fn in the background",
+        )
+        self._stop_button = w.Button(description="Stop", icon="stop", button_style="danger", disabled=True)
+        self._run_button.on_click(lambda _: self.start())
+        self._stop_button.on_click(lambda _: self.stop())
+        self._status = w.HTML()
+        self._magic = w.HTML()
+        self._live = w.VBox()
+        self.observe(lambda c: setattr(self._status, "value", _status_html(c["new"])), "status")
+        self.children = [
+            self._devices,
+            w.HBox([w.Label("backend"), *self._backend_buttons.values()]),
+            w.HBox([w.Label("mode"), self._sync_button, self._async_button]),
+            self._reasons,
+            w.HBox([self._replicas, self._workers, self._ps, self._steps]),
+            w.HBox([self._run_button, self._stop_button]),
+            self._status,
+            self._magic,
+            self._live,
+        ]
+
+    def _pick(self, name: str) -> None:
+        try:
+            self.backend = name
+        except traitlets.TraitError as e:
+            self.status = f"error: {e}"
+            self._sync_widgets()
+
+    def _on_button(self, name: str, change) -> None:
+        if self._syncing:
+            return
+        if change["new"]:
+            self._pick(name)
+        else:
+            self._sync_widgets()  # a toggle cannot be switched off: pick another backend
+
+    def _set_from_widget(self, trait: str, value: int) -> None:
+        if not self._syncing:
+            try:
+                setattr(self, trait, value)
+            except traitlets.TraitError as e:
+                self.status = f"error: {e}"
+                self._sync_widgets()
+
+    def _sync_widgets(self) -> None:
+        """Widgets show the traitlets (buttons pressed, counts, what is disabled, the line)."""
+        self._syncing = True
+        try:
+            for name, button in self._backend_buttons.items():
+                button.value = name == self.backend
+            asynchronous = self.backend in session.ASYNC_BACKENDS
+            self._sync_button.value, self._async_button.value = not asynchronous, asynchronous
+            self._replicas.value = (
+                self.replicas
+                if self.backend == "mirrored"
+                else (1 if self.backend == "single" else self._replicas.value)
+            )
+            self._replicas.disabled = self.backend != "mirrored"
+            self._workers.value, self._workers.disabled = (
+                self.workers,
+                self.backend not in session.WORKER_BACKENDS,
+            )
+            self._ps.value, self._ps.disabled = self.ps, self.backend not in session.PS_BACKENDS
+            self._steps.value = self.steps
+        finally:
+            self._syncing = False
+        self.magic_line = session.magic_line(self.backend, *self._counts(), steps=self.steps, background=True)
+        self._magic.value = f"equivalent magic (copy into a cell):<pre style='margin:2px 0'>{html.escape(self.magic_line)}</pre>"
+
+    def _counts(self) -> tuple:
+        return (
+            self.replicas if self.backend == "mirrored" else None,
+            self.workers if self.backend in session.WORKER_BACKENDS else None,
+            self.ps if self.backend in session.PS_BACKENDS else None,
+        )
+
+    def _follow(self, repl, choice: dict | None) -> None:
+        """Shows a choice made elsewhere (the magic, wb.use) without choosing again."""
+        self._syncing = True
+        try:
+            backend = (choice or {}).get("backend") or getattr(repl, "backend", self.backend)
+            if backend in self.reasons and not self.reasons[backend]:
+                self.backend = backend
+            for trait, key in (("replicas", "num_replicas"), ("workers", "num_workers"), ("ps", "num_ps")):
+                value = (choice or {}).get(key)
+                if value is None and trait == "replicas" and backend == "mirrored" and repl is not None:
+                    value = repl.describe().get("num_replicas")
+                if value is not None:
+                    setattr(self, trait, value)
+        finally:
+            self._syncing = False
+        self._sync_widgets()
+
+    def _user_namespace(self) -> dict:
+        if self._namespace is not None:
+            return self._namespace
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            return shell.user_ns
+        import __main__
+
+        return vars(__main__)
+
+
+def _status_html(text: str) -> str:
+    color = "#a33" if text.startswith("error") else "#333"
+    return f"<span style='color:{color}'>{html.escape(text)}</span>"

@@ -1,0 +1,1 @@
+"""Distributed vs single-device numerics: batch norm, loss scaling, differences."""

@@ -1,0 +1,1 @@
+"""Matplotlib figures: the run figure and the scaling figure."""

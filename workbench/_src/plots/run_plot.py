@@ -1,0 +1,246 @@
+"""The run figure: every metric and the throughput against step, drawn from a run's events.
+
+Shared by the live dashboard (redrawn a few times a second at most) and the run store (one PNG
+per run). Drawing uses matplotlib's Agg canvas directly, never pyplot: it is safe off the main
+thread and never opens a window or touches the notebook's inline backend.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import math
+import threading
+
+from workbench._src.core.run_stats import describe, figures, last_metrics
+
+RESERVED = ("step", "wall_time", "examples_per_sec")
+MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
+MAX_METRIC_PANELS = 5
+DPI = 96  # the figure shows at its natural size in a notebook: readable fonts
+
+# Agg and its font cache are shared across threads; one drawing at a time.
+_RENDER_LOCK = threading.Lock()
+_final_cache: collections.OrderedDict = collections.OrderedDict()
+
+
+class History:
+    """Per-step columns accumulated from 'metrics' events; what sinks keep instead of the Run.
+
+    `add` runs on the training thread, so it only appends; readers take a `snapshot()`.
+    """
+
+    def __init__(self):
+        self._columns: dict[str, list] = {}
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def add(self, rows: list[dict]) -> None:
+        with self._lock:
+            for row in rows:
+                for key in row:
+                    if key not in self._columns:  # a metric seen for the first time
+                        self._columns[key] = [math.nan] * self._n
+                for key, column in self._columns.items():
+                    column.append(row.get(key, math.nan))
+                self._n += 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def snapshot(self) -> dict[str, list]:
+        """A consistent copy of the columns (list slices: cheap, and safe to read unlocked)."""
+        with self._lock:
+            return {k: v[: self._n] for k, v in self._columns.items()}
+
+
+def metric_names(columns: dict) -> list[str]:
+    """The metric columns, the loss first (step_fn outputs arrive sorted by name)."""
+    names = [c for c in columns if c not in RESERVED]
+    return sorted(names, key=lambda n: 0 if n == "loss" else 1 if "loss" in n else 2)
+
+
+def summarize(columns: dict, running: bool = False, target_steps: int | None = None) -> dict:
+    """Steps (counted from the run's start), wall time, the run's figures (workbench._src.core.run_stats:
+    steps/s and examples/s over the last window while running, the whole run once ended; the
+    median per-step examples/s) and each metric's last value."""
+    fig = figures(columns, running=running, target_steps=target_steps)
+    out: dict = {"steps": fig["steps"], "steps_recorded": fig["steps"]}  # steps_recorded: older readers
+    if not fig["steps"]:
+        return out
+    out["last_step"] = int(columns["step"][-1])  # the program's own step number (absolute)
+    for key in ("wall_time_s", "steps_per_sec", "examples_per_sec", "median_examples_per_sec"):
+        if fig[key] is not None:
+            out[key] = fig[key]
+    out.update(last_metrics(columns))
+    return out
+
+
+def title_for(
+    config: dict, status: str, columns: dict, name: str = "", target: int | None = None, numbers: bool = True
+) -> str:
+    """'run 3 · mirrored x 4 · finished · step 300/300 · 812 steps/s · 103,936 examples/s'.
+
+    Steps count from the run's start; `target` is the steps the run was asked for. numbers=False
+    leaves out the step and the rates (the live figure: drawn less often than the header above
+    it refreshes, it would show older numbers beside newer ones).
+    """
+    parts = [name or "run", f"{config.get('backend', '?')} x {config.get('num_replicas', '?')}", status]
+    if not numbers:
+        return " \u00b7 ".join(parts)
+    fig = figures(columns, running=status == "running", target_steps=target)
+    if fig["steps"]:
+        parts.append(f"step {fig['steps']:,}" + (f"/{target:,}" if target else ""))
+    if fig["steps_per_sec"] is not None:
+        parts.append(describe(fig))
+    return " \u00b7 ".join(parts)
+
+
+class Plotter:
+    """Keeps one figure and redraws it with new data (cheaper than building a figure each time)."""
+
+    def __init__(self):
+        self._figure = None
+        self._layout: tuple | None = None
+        self._lines: dict = {}
+
+    def render(self, columns: dict, title: str) -> bytes:
+        """PNG bytes of the figure for these columns."""
+        with _RENDER_LOCK:
+            names = metric_names(columns)[:MAX_METRIC_PANELS]
+            if self._layout != tuple(names):
+                self._build(names)
+            self._update(columns, names, title)
+            return self._png()
+
+    def _build(self, names: list[str]) -> None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+
+        panels = names + ["examples/s"]
+        cols = min(3, len(panels))
+        rows = math.ceil(len(panels) / cols)
+        # At least 9 inches wide: the title (run, backend, status, step, steps/s, examples/s) fits.
+        fig = Figure(figsize=(max(9.0, 3.6 * cols), 2.5 * rows + 0.35), dpi=DPI)
+        FigureCanvasAgg(fig)
+        # Fixed margins instead of tight/constrained layout, which would double every redraw.
+        top = 1 - 0.35 / (2.5 * rows + 0.35) - 0.08 / rows
+        fig.subplots_adjust(
+            left=0.09 / cols * 3 / 1.6, right=0.98, bottom=0.17 / rows, top=top, wspace=0.32, hspace=0.55
+        )
+        self._lines = {}
+        for i, panel in enumerate(panels):
+            ax = fig.add_subplot(rows, cols, i + 1)
+            ax.set_title(panel, fontsize=12)
+            ax.tick_params(labelsize=10)
+            ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
+            ax.yaxis.set_major_locator(MaxNLocator(5))
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("step", fontsize=10, labelpad=1)
+            raw = ax.plot([], [], lw=0.8, alpha=0.35, color=f"C{i}")[0]
+            smooth = ax.plot([], [], lw=1.6, color=f"C{i}")[0]
+            extra = ax.axhline(math.nan, ls="--", lw=1, color="0.4") if panel == "examples/s" else None
+            self._lines[panel] = (ax, raw, smooth, extra)
+        self._title = fig.suptitle("", fontsize=12)
+        self._figure, self._layout = fig, tuple(names)
+
+    def _update(self, columns: dict, names: list[str], title: str) -> None:
+        import numpy as np
+
+        steps = np.asarray(columns.get("step", []), dtype=float)
+        steps = steps - steps[0] + 1 if steps.size else steps  # counted from the run's start
+        for panel, (ax, raw, smooth, extra) in self._lines.items():
+            key = "examples_per_sec" if panel == "examples/s" else panel
+            y = np.asarray(columns.get(key, []), dtype=float)
+            x, y = _thin(steps, y)
+            raw.set_data(x, y)
+            smooth.set_data(x, _smooth(y))
+            if extra is None:
+                # Losses falling by orders of magnitude read better on a log scale.
+                finite = y[np.isfinite(y)]
+                log = finite.size > 1 and finite.min() > 0 and finite.max() > 100 * finite.min()
+                if ax.get_yscale() != ("log" if log else "linear"):
+                    from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
+
+                    ax.set_yscale("log" if log else "linear")
+                    # Few ticks and no minor ones: tick objects are most of a redraw's cost.
+                    ax.yaxis.set_major_locator(LogLocator(numticks=5) if log else MaxNLocator(5))
+                    ax.yaxis.set_minor_locator(NullLocator())
+                ax.set_title(f"{panel} (log scale)" if log else panel, fontsize=12)
+            else:
+                finite = y[np.isfinite(y)]
+                median = float(np.median(finite)) if finite.size else math.nan
+                extra.set_ydata([median, median])
+                ax.set_title(
+                    f"examples/s (median {median:,.0f}, dashed)" if finite.size else "examples/s", fontsize=11
+                )
+            ax.relim()
+            ax.autoscale_view()
+        self._title.set_text(title)
+
+    def _png(self) -> bytes:
+        from PIL import Image
+
+        canvas = self._figure.canvas
+        canvas.draw()
+        width, height = canvas.get_width_height()
+        image = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+        out = io.BytesIO()
+        image.convert("RGB").save(out, format="png", compress_level=1)  # speed over a few KB
+        return out.getvalue()
+
+
+def final_png(run_id: str, columns: dict, title: str) -> bytes:
+    """The end-of-run figure, rendered once and shared by the run store and the dashboard."""
+    key = (run_id, len(columns.get("step", [])), title)
+    with _RENDER_LOCK:
+        if key in _final_cache:
+            return _final_cache[key]
+    png = render(columns, title)
+    with _RENDER_LOCK:
+        _final_cache[key] = png
+        while len(_final_cache) > 4:
+            _final_cache.popitem(last=False)
+    return png
+
+
+_shared = Plotter()
+
+
+def render(columns: dict, title: str) -> bytes:
+    """PNG of the run figure, drawn on one figure shared by every dashboard and the run store.
+
+    Building a figure costs several redraws; sharing one (under the render lock) pays that
+    once per process and set of metric names instead of once per run.
+    """
+    return _shared.render(columns, title)
+
+
+def _thin(x, y):
+    """At most MAX_POINTS points, always keeping the last one."""
+    import numpy as np
+
+    n = len(x)
+    if n <= MAX_POINTS:
+        return x, y
+    idx = np.unique(np.append(np.linspace(0, n - 1, MAX_POINTS).astype(int), n - 1))
+    return x[idx], y[idx]
+
+
+def _smooth(y):
+    """Centred moving average over ~1/30 of the points (NaN-aware); raw values when short."""
+    import numpy as np
+
+    n = len(y)
+    half = n // 60
+    if half < 1:
+        return y
+    ok = np.isfinite(y)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(ok, y, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(ok)])
+    i = np.arange(n)
+    lo, hi = np.maximum(i - half, 0), np.minimum(i + half, n - 1) + 1
+    total, count = sums[hi] - sums[lo], counts[hi] - counts[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan)

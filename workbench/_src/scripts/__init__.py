@@ -1,0 +1,1 @@
+"""The command line's jobs: `workbench run`, `workbench scale`, `workbench demo`."""

@@ -1,0 +1,158 @@
+"""`workbench run FILE.py`: the notebook's %%replicate, for a script, on any backend.
+
+The file plays the part of a `%%replicate` cell: it runs inside the replicator's context with
+`repl` defined, builds its model and optimizer, and defines input_fn and step_fn, which are then
+trained. For multi-worker with local processes the file's source travels to every worker (as a
+cell does); on a real cluster every host runs the same command with its own TF_CONFIG.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from workbench._src.core.errors import WorkbenchError
+
+
+def run_file(args) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        print(
+            f"workbench run: no such file: {args.file!r}. Give a Python file that defines input_fn and step_fn.",
+            file=sys.stderr,
+        )
+        return 2
+    source = path.read_text()
+    from workbench._src.core import tf_setup
+
+    if args.cpus:
+        tf_setup.configure_devices(cpus=args.cpus)
+    try:
+        repl = _make_replicator(args)
+        namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
+        options = {
+            "steps_per_execution": _spe(args.steps_per_execution),
+            "sinks": [_ProgressPrinter(args.steps)],
+        }
+        if args.checkpoint:
+            options["checkpoint_dir"] = args.checkpoint
+        if args.checkpoint_every:
+            options["checkpoint_every"] = args.checkpoint_every
+        sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
+        from workbench._src.notebook import session
+
+        session._set(repl, None)
+        run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
+    except WorkbenchError as e:
+        print(f"workbench run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    summary = run.summary()
+    if args.history:
+        run.history.to_csv(args.history, index=False)
+        summary["history_csv"] = args.history
+    print(json.dumps(summary, default=str))
+    return 0 if run.status in ("finished", "stopped") else 1
+
+
+def scale_file(args) -> int:
+    """`workbench scale FILE.py`: the file as the setup of wb.scaling_study (as a
+    `%%replicate --scaling` cell is); prints the table, writes the PNG and, if asked, a CSV."""
+    path = Path(args.file)
+    if not path.is_file():
+        print(
+            f"workbench scale: no such file: {args.file!r}. Give a Python file that builds its model "
+            "and defines input_fn(ctx) (batching to ctx.global_batch_size) and step_fn.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        counts = [int(n) for n in args.replicas.split(",")]
+    except ValueError:
+        print(
+            f"workbench scale: --replicas takes counts like 1,2,4; received {args.replicas!r}.",
+            file=sys.stderr,
+        )
+        return 2
+    from workbench._src.core import tf_setup
+    from workbench._src.launch.shipping import CellSetup
+    from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
+
+    if args.backend == "mirrored":  # a machine with GPUs keeps its GPUs
+        tf_setup.configure_devices(cpus=args.cpus or max(8, *counts))
+    sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
+    # A fresh namespace per configuration; the source (not a code object) so that it also
+    # travels to worker processes, and the file's name so tracebacks and AutoGraph find it.
+    setup = CellSetup(path.read_text(), {"__file__": str(path.resolve())}, filename=str(path))
+    options = {"threads_per_worker": args.threads} if args.backend == "multi-worker" and args.threads else {}
+    try:
+        study = scaling_study(
+            setup=setup, backend=args.backend, replicas=counts, mode=args.mode,
+            batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+            steps_per_execution=args.steps_per_execution, path=args.out, live=False, **options,
+        )  # fmt: skip
+    except WorkbenchError as e:
+        print(f"workbench scale: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    table = study.table
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+    columns = [*SUMMARY_COLUMNS, "devices_kind"]
+    print(table[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    if table["threads_note"].iloc[-1]:  # the most replicas: the strongest caveat
+        print(f"note: {table['threads_note'].iloc[-1]}")
+    print(f"figure: {study.path}" + (f"\ntable: {args.csv}" if args.csv else ""))
+    return 0
+
+
+def _make_replicator(args):
+    from workbench._src.backends import replicator
+
+    extra = {}
+    if args.workers is not None:
+        extra["num_workers"] = args.workers
+    if args.ps is not None:
+        extra["num_ps"] = args.ps
+    if args.cluster:
+        extra["cluster"] = args.cluster
+    if args.backend in ("multi-worker", "async-ps"):
+        extra["startup_timeout"] = args.startup_timeout
+    return replicator(args.backend, num_replicas=args.replicas, **extra)
+
+
+def _spe(text: str):
+    return "auto" if str(text).lower() == "auto" else int(text)
+
+
+class _ProgressPrinter:
+    """One line per second at most: steps of the run, metrics, and the run's figures (the same
+    definitions as every other view: workbench/_src/core/run_stats.py)."""
+
+    def __init__(self, steps: int):
+        self.steps, self.last = steps, 0.0
+        self.columns: dict[str, list] = {"wall_time": [], "examples_per_sec": []}
+
+    def __call__(self, event) -> None:
+        from workbench._src.core.run_stats import describe, figures
+
+        if event.kind == "message":
+            print(f"[workbench] {event.data.get('text')}", flush=True)
+        if event.kind != "metrics" or not event.data["rows"]:
+            return
+        for row in event.data["rows"]:
+            self.columns["wall_time"].append(row["wall_time"])
+            self.columns["examples_per_sec"].append(row.get("examples_per_sec", float("nan")))
+        now = time.monotonic()
+        done = len(self.columns["wall_time"])
+        if now - self.last < 1.0 and done < self.steps:
+            return
+        self.last = now
+        row = event.data["rows"][-1]
+        metrics = " ".join(
+            f"{k} {v:.4g}"
+            for k, v in row.items()
+            if k not in ("step", "wall_time", "examples_per_sec", "workers")
+        )
+        figs = figures(self.columns, running=done < self.steps, target_steps=self.steps)
+        print(f"step {done}/{self.steps} {metrics} \u00b7 {describe(figs)}", flush=True)

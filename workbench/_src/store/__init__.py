@@ -1,0 +1,1 @@
+"""Reading the run store back: listing, loading, comparing and deleting runs."""

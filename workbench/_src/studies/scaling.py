@@ -1,0 +1,396 @@
+"""Scaling studies: the same step at 1, 2, 4, 8 replicas, weak or strong, as a table and a plot.
+
+Each configuration gets a fresh replicator (a new device subset in the same process: the mirrored
+backend reduces with ReductionToOneDevice on CPUs, so switching is safe), a fresh model from
+`setup` (seeded, so every point starts from the same weights), a warm-up run that absorbs tracing,
+then a measured run. Timing: the measured run calls the compiled loop in chunks of
+`steps_per_execution` steps; a step's time is its chunk's wall time / chunk length, so the step-time
+distribution (median, p90) is over chunks. With steps_per_execution=1 every chunk is one step
+(Python dispatch included); larger chunks measure the device work with less Python overhead.
+
+Arithmetic (`scaling_metrics`, pure): throughput = global batch / median step time;
+speed-up = throughput / throughput at the baseline (the fewest replicas, normally 1); ideal
+speed-up = replicas / baseline replicas; efficiency = speed-up / ideal. Weak scaling keeps the
+per-replica batch (global = per-replica x n), strong scaling keeps the global batch, so in both
+modes the speed-up is a ratio of examples per second.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from workbench._src.core.errors import ConfigurationError
+from workbench._src.studies.scaling_setup import Build, ScalingContext, measure
+
+__all__ = ["ScalingContext", "ScalingStudy", "reference_speedup", "scaling_metrics", "scaling_study"]
+
+__all__ = [
+    "ScalingContext",
+    "ScalingStudy",
+    "batch_sizes",
+    "reference_speedup",
+    "scaling_metrics",
+    "scaling_study",
+]
+
+Mode = Literal["weak", "strong"]
+
+# TF-Replicator paper (Buchlovsky et al. 2019), ResNet-50 on ImageNet, minutes to train.
+TF_REPLICATOR_RESNET50_MINUTES = {1: 7118.0, 8: 1049.0, 32: 330.0, 64: 182.0}
+# The columns a reader looks at first (the table has more: compile, start-up, devices, ...).
+SUMMARY_COLUMNS = (
+    "replicas",
+    "global_batch",
+    "per_replica_batch",
+    "examples_per_sec",
+    "step_time_median_s",
+    "step_time_p90_s",
+    "speedup",
+    "efficiency",
+)
+REFERENCES = {"tf-replicator-resnet50": ("TF-Replicator ResNet-50 (paper)", TF_REPLICATOR_RESNET50_MINUTES)}
+
+
+def batch_sizes(mode: Mode, batch_size: int, replicas: int) -> tuple[int, int]:
+    """(global, per-replica) batch: weak keeps `batch_size` per replica, strong keeps it global."""
+    if mode == "weak":
+        return batch_size * replicas, batch_size
+    return batch_size, batch_size // replicas
+
+
+def step_time_stats(step_seconds: Sequence[float]) -> dict[str, float]:
+    """Median, p90 and mean of per-step times (seconds); NaN-free input expected."""
+    import numpy as np
+
+    t = np.asarray(step_seconds, dtype=float)
+    if t.size == 0:
+        nan = float("nan")
+        return {"step_time_median_s": nan, "step_time_p90_s": nan, "step_time_mean_s": nan}
+    return {
+        "step_time_median_s": float(np.median(t)),
+        "step_time_p90_s": float(np.percentile(t, 90)),
+        "step_time_mean_s": float(t.mean()),
+    }
+
+
+def scaling_metrics(points):
+    """Adds throughput, speed-up, ideal speed-up and efficiency to a table of measured points.
+
+    Pure arithmetic on columns `replicas`, `global_batch`, `step_time_median_s` (and
+    `step_time_mean_s` when present); rows come back sorted by replicas. The baseline is the row
+    with the fewest replicas.
+
+    Example:
+      >>> import pandas as pd
+      >>> t = scaling_metrics(pd.DataFrame({"replicas": [1, 2], "global_batch": [32, 64],
+      ...                                   "step_time_median_s": [0.01, 0.0125]}))
+      >>> [round(e, 2) for e in t["efficiency"]]
+      [1.0, 0.8]
+    """
+    import pandas as pd
+
+    table = pd.DataFrame(points).sort_values("replicas").reset_index(drop=True)
+    if table.empty:
+        return table.assign(examples_per_sec=[], speedup=[], ideal_speedup=[], efficiency=[])
+    table["examples_per_sec"] = table["global_batch"] / table["step_time_median_s"]
+    if "step_time_mean_s" in table:
+        table["mean_examples_per_sec"] = table["global_batch"] / table["step_time_mean_s"]
+    base = table.iloc[0]
+    table["speedup"] = table["examples_per_sec"] / base["examples_per_sec"]
+    table["ideal_speedup"] = table["replicas"] / base["replicas"]
+    table["efficiency"] = table["speedup"] / table["ideal_speedup"]
+    return table
+
+
+def reference_speedup(times: Mapping[int, float]) -> dict[int, float]:
+    """Converts {replicas: time to train} into {replicas: speed-up over the fewest replicas}.
+
+    Example:
+      >>> round(reference_speedup({1: 7118, 8: 1049})[8], 2)  # the TF-Replicator paper's ResNet-50
+      6.79
+    """
+    if not times:
+        return {}
+    base = min(times)
+    return {int(n): float(times[base]) / float(t) for n, t in sorted(times.items())}
+
+
+def _check_arguments(replicas, mode, batch_size, steps, warmup, steps_per_execution) -> list[int]:
+    if mode not in ("weak", "strong"):
+        raise ConfigurationError(
+            f"mode must be 'weak' (per-replica batch fixed) or 'strong' (global batch fixed); "
+            f"received mode={mode!r}."
+        )
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("steps", steps, 1),
+        ("warmup", warmup, 1),
+        ("steps_per_execution", steps_per_execution, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigurationError(f"{name} must be an integer >= {low}; received {name}={value!r}.")
+    try:
+        counts = sorted({int(n) for n in replicas})
+    except (TypeError, ValueError):
+        counts = []
+    if not counts or any(n < 1 for n in counts) or any(isinstance(n, bool) or int(n) != n for n in replicas):
+        raise ConfigurationError(
+            f"replicas must be a list of positive integers, e.g. [1, 2, 4, 8]; received {replicas!r}."
+        )
+    if mode == "strong":
+        bad = [n for n in counts if batch_size % n]
+        if bad:
+            raise ConfigurationError(
+                f"Strong scaling keeps the global batch ({batch_size}) and splits it over the "
+                f"replicas, but it does not divide by {bad}. Fix: use a global batch_size that is a "
+                f"multiple of {max(counts)}, e.g. {max(counts) * max(1, batch_size // max(counts))}."
+            )
+    return counts
+
+
+class ScalingStudy:
+    """The result of `wb.scaling_study`: `.table` (a DataFrame), `.figure`, `.save(path)`.
+
+    `.runs` maps each replica count to its measured `wb.Run` (history, metrics); `.path` is the
+    PNG written beside the study (None if none was asked for).
+    """
+
+    def __init__(
+        self, mode: str, planned: list[int], reference=None, reference_label: str = "", title: str = ""
+    ):
+        self.mode = mode
+        self.planned = planned
+        self.reference = dict(reference or {})
+        self.reference_label = reference_label
+        self.title = title
+        self.points: list[dict] = []
+        self.runs: dict[int, Any] = {}
+        self.path: str | None = None
+
+    @property
+    def table(self):
+        """One row per finished configuration, sorted by replicas (see `scaling_metrics`)."""
+        return scaling_metrics(self.points)
+
+    @property
+    def figure(self):
+        """The final static matplotlib Figure (Agg canvas; no frontend needed)."""
+        from workbench._src.plots.scaling_plot import draw
+
+        return draw(self)
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Writes the figure as a PNG at `path` (folders created); returns the path."""
+        from workbench._src.plots.scaling_plot import png_bytes
+
+        path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(png_bytes(self))
+        return path
+
+    def _repr_html_(self) -> str:
+        import base64
+
+        from workbench._src.plots.scaling_plot import png_bytes
+
+        cols = [c for c in SUMMARY_COLUMNS if c in self.table]
+        html = self.table[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}")
+        img = base64.b64encode(png_bytes(self)).decode()
+        return f"<b>wb.ScalingStudy</b> ({self.mode})<br><img src='data:image/png;base64,{img}'/>{html}"
+
+    def __repr__(self) -> str:
+        return f"<wb.ScalingStudy {self.mode} replicas={[p['replicas'] for p in self.points]}>"
+
+
+def scaling_study(
+    step_fn: Callable | None = None,
+    input_fn: Callable | None = None,
+    backend: str = "mirrored",
+    replicas: Sequence[int] = (1, 2, 4, 8),
+    mode: Mode = "weak",
+    steps: int = 50,
+    warmup: int = 10,
+    setup: Callable | None = None,
+    batch_size: int = 32,
+    *,
+    steps_per_execution: int = 10,
+    seed: int | None = 0,
+    reduce: dict[str, str] | None = None,
+    reference: Mapping[int, float] | str | None = None,
+    reference_label: str | None = None,
+    path: str | os.PathLike | None = None,
+    live: bool | None = None,
+    **replicator_options,
+) -> ScalingStudy:
+    """Runs the same step at several replica counts and measures how throughput scales.
+
+    Args:
+      step_fn, input_fn: a stateless step and its input (or give `setup`). input_fn(ctx) receives
+        a `ScalingContext`: read `ctx.global_batch_size` (PER_WORKER input, the default) or
+        `ctx.batch_size_per_replica` (PER_REPLICA) and batch to it.
+      backend: a synchronous backend: "mirrored" (devices of this process: GPUs, or virtual
+        CPUs), "multi-worker" (one worker process per CPU replica, started on 127.0.0.1 for
+        each configuration; setup, step_fn and input_fn travel to the workers by value), "tpu",
+        "single" (one replica).
+      replicas: replica counts to measure; the fewest is the baseline (normally 1).
+      mode: "weak" keeps `batch_size` per replica (global = batch_size x n); "strong" keeps
+        `batch_size` as the global batch (each replica gets batch_size / n).
+      steps: measured steps per configuration; warmup: steps run first, untimed (tracing).
+      setup: setup(repl) or setup(repl, ctx), called inside repl.context() after seeding, returns
+        (step_fn, input_fn), a dict with those keys, or step_fn alone (input_fn from the argument).
+        It rebuilds model and optimizer so every point starts from the same initial weights.
+      steps_per_execution: steps per compiled call; step times are chunk time / chunk length.
+      seed: keras.utils.set_random_seed(seed) before each setup (None: leave the seed alone).
+      reduce: passed to repl.train (how scalar outputs combine across replicas).
+      reference: a curve to overlay, {replicas: time to train} (converted to speed-up), or
+        "tf-replicator-resnet50" for the paper's ResNet-50 figures.
+      path: where to write the PNG (written after every point, so a partial study leaves one).
+      live: update a figure in place in the notebook as points finish; default: when in a kernel.
+      **replicator_options: passed to wb.replicator (e.g. input_replication).
+
+    Returns:
+      A `wb.ScalingStudy`; `.table` has one row per configuration with throughput, step-time
+      median/p90, speed-up, efficiency, compile (warm-up) and, on multi-worker, process start-up
+      seconds, and what the devices really were (`devices_kind`, `physical_cores`,
+      `threads_per_replica`, `threads_note`).
+
+    Example:
+      >>> import workbench as wb, tensorflow as tf
+      >>> def input_fn(ctx):
+      ...     return tf.data.Dataset.from_tensors(tf.ones([ctx.global_batch_size, 8])).repeat()
+      >>> study = wb.scaling_study(lambda x: {"s": tf.reduce_sum(x)}, input_fn, replicas=[1, 2],
+      ...                          steps=20, warmup=2, batch_size=16)
+      >>> list(study.table["global_batch"])
+      [16, 32]
+    """
+    from workbench._src.backends import backend_class
+    from workbench._src.backends import replicator as make_replicator
+    from workbench._src.core.tf_setup import device_summary
+    from workbench._src.plots.scaling_plot import live_sink
+
+    counts = _check_arguments(replicas, mode, batch_size, steps, warmup, steps_per_execution)
+    if setup is None and (step_fn is None or input_fn is None):
+        raise ConfigurationError(
+            "scaling_study needs step_fn and input_fn, or setup(repl) returning them; received "
+            f"step_fn={step_fn!r}, input_fn={input_fn!r}, setup=None. Fix: "
+            "wb.scaling_study(step_fn, input_fn, ...) or wb.scaling_study(setup=build, ...)."
+        )
+    if isinstance(reference, str):
+        if reference not in REFERENCES:
+            raise ConfigurationError(
+                f"Unknown reference {reference!r}; known: {sorted(REFERENCES)}, or pass "
+                "{replicas: time to train}, e.g. {1: 7118, 8: 1049}."
+            )
+        reference_label = reference_label or REFERENCES[reference][0]
+        reference = REFERENCES[reference][1]
+    if getattr(backend_class(backend), "backend", None) == "async-ps":
+        raise ConfigurationError(
+            f"A scaling study measures synchronous steps (every replica takes one batch per step, "
+            f"so a step's time is the cluster's); received backend={backend!r}, whose workers step "
+            "independently. Fix: backend='mirrored' (devices of one process) or 'multi-worker' "
+            "(processes), or time async training with run.history['examples_per_sec']."
+        )
+    # Build every replicator first: a device count the process lacks fails now, not after an hour.
+    repls = {n: make_replicator(backend, num_replicas=n, **replicator_options) for n in counts}
+    study = ScalingStudy(
+        mode,
+        counts,
+        reference_speedup(reference or {}),
+        reference_label or "reference",
+        title=f"{mode} scaling, {backend}, batch {batch_size}"
+        f"{' per replica' if mode == 'weak' else ' global'}",
+    )
+    devices = device_summary()
+    sink = live_sink(live)
+    with _quiet_retracing():
+        for n in counts:
+            repl = repls[n]
+            global_batch, per_replica = batch_sizes(mode, batch_size, n)
+            build = Build(setup, step_fn, input_fn, mode, global_batch, seed)
+            options = {"steps_per_execution": steps_per_execution, "reduce": reduce}
+            run, compile_seconds = measure(repl, build, warmup, steps, f"scaling {mode} n={n}", options)
+            study.runs[n] = run
+            eps = run.history["examples_per_sec"].dropna().to_numpy()  # per step, from chunk times
+            study.points.append(
+                {"replicas": n, "mode": mode, "global_batch": global_batch, "per_replica_batch": per_replica,
+                 "steps": int(run.steps), "steps_per_execution": steps_per_execution,
+                 **step_time_stats(global_batch / eps), "compile_seconds": compile_seconds,
+                 # worker processes started and joined (multi-worker); NaN in one process
+                 "startup_seconds": getattr(run, "startup_seconds", float("nan")),
+                 "backend": repl.backend,
+                 **_honesty(repl.describe(), devices, getattr(repl, "threads_per_worker", None))}
+            )  # fmt: skip
+            if path is not None:
+                study.path = study.save(path)
+            if sink is not None:
+                sink.send(study)
+    return study
+
+
+def _honesty(described: dict, devices: dict, threads_per_worker: int | None = None) -> dict:
+    """What the replicas really ran on: replicas sharing CPU cores are not independent devices.
+
+    One process with virtual CPUs: the replicas share that process's thread pool. Worker
+    processes on one machine without GPUs: each worker has its own pool (`threads_per_worker`,
+    else TensorFlow's default of one thread per core), so together they oversubscribe the cores.
+    """
+    cores = devices.get("physical_cores") or 0
+    replicas = int(described.get("num_replicas") or 1)
+    workers = int(described.get("num_workers") or 1)
+    if described.get("backend") == "multi-worker":
+        kind = "GPU" if devices.get("gpus") else "CPU process"
+        threads = threads_per_worker or cores
+        total = threads * workers
+        note = ""
+        if kind == "CPU process" and workers > 1 and total > cores:
+            note = (
+                f"{workers} worker processes x {threads} TensorFlow thread(s) share {cores} core(s) of "
+                "one machine: the workers compete for the same cores, so this measures the cost of "
+                "distribution (processes, gRPC all-reduce), not speed-up"
+            )
+        return {
+            "devices_kind": kind,
+            "devices": f"{workers} worker(s) x {described.get('devices_per_worker', 1)}",
+            "physical_cores": cores,
+            "threads_per_replica": threads / max(1, replicas // workers),
+            "shared_cores": bool(note),
+            "threads_note": note,
+        }
+    used = described.get("devices", [])
+    kind = "GPU" if any("GPU" in d for d in used) else "TPU" if any("TPU" in d for d in used) else "CPU"
+    pool = devices.get("intra_op_threads") or cores
+    if kind == "CPU" and devices.get("virtual_cpus", 1) > 1:
+        kind = "virtual CPU"
+        note = (
+            f"{len(used)} virtual CPU device(s) share {cores} physical core(s) and one TensorFlow "
+            "thread pool: replicas compete for the same cores, so this measures overhead, not speed-up"
+        )
+    else:
+        note = ""
+    return {
+        "devices_kind": kind,
+        "devices": ",".join(d.split("device:")[-1] for d in used),
+        "physical_cores": cores,
+        "threads_per_replica": pool / max(1, len(used)) if kind in ("CPU", "virtual CPU") else float("nan"),
+        "shared_cores": kind == "virtual CPU",
+        "threads_note": note,
+    }
+
+
+class _quiet_retracing:
+    """Drops TensorFlow's "triggered tf.function retracing" warning: a study builds a new compiled
+    step per configuration on purpose, so the warning would only alarm the reader."""
+
+    def __enter__(self):
+        import logging
+
+        self.logger = logging.getLogger("tensorflow")
+        self.filter = lambda record: "triggered tf.function retracing" not in record.getMessage()
+        self.logger.addFilter(self.filter)
+
+    def __exit__(self, *exc):
+        self.logger.removeFilter(self.filter)
+        return False
