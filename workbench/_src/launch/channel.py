@@ -24,7 +24,13 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
-from workbench._src.launch.processes import KEEP_LOGS_ENV, LOG_DIR_ENV, TASK_ENV, ProcessGroup
+from workbench._src.launch.processes import (
+    KEEP_LOGS_ENV,
+    LOG_DIR_ENV,
+    TASK_ENV,
+    ProcessGroup,
+    remove_own_tmp_dir,
+)
 
 CHANNEL_ENV = "WORKBENCH_CHANNEL"  # path of the parent's Unix socket (or host:port, older form)
 CHANNEL_KEY_ENV = "WORKBENCH_CHANNEL_KEY"  # hex key; in the environment, never on the command line
@@ -180,6 +186,7 @@ class ParentLink:
                     self.send({"type": "heartbeat"})
                 except (OSError, ValueError):
                     _clean_up_if_orphaned()
+                    remove_own_tmp_dir()
                     os._exit(3)  # the parent is gone
 
         threading.Thread(target=beat, name="workbench heartbeat", daemon=True).start()
@@ -193,7 +200,8 @@ def exit_when_parent_dies() -> None:
     """Child side: a thread that ends this process when stdin (the parent's pipe) reaches EOF.
 
     A parent that dies (a killed kernel, a launcher ended by a signal) runs no clean-up: its
-    children remove what it left, the group's log folder and the channel's socket folder.
+    children remove what it left, the group's log folder and the channel's socket folder, and
+    their own temp folders.
     """
 
     def watch():
@@ -201,6 +209,7 @@ def exit_when_parent_dies() -> None:
             while sys.stdin.buffer.read(1):
                 pass
         _clean_up_if_orphaned()
+        remove_own_tmp_dir()
         os._exit(4)
 
     threading.Thread(target=watch, name="workbench parent watch", daemon=True).start()

@@ -12,6 +12,13 @@ With `private_network=True` (the default) all children share one network namespa
 a loopback device (netns.py): TensorFlow's gRPC servers, which bind every interface, are then
 reachable from nowhere but inside it. The launcher reaches them over the channel's Unix socket;
 it cannot connect to their ports itself (`group.port_open(port)` looks inside instead).
+
+Every child gets a temp folder of its own (its TMPDIR, inside the group's log folder): TensorFlow's
+AutoGraph writes one `__autograph_generated_file*.py` per converted function into the temp folder
+and deletes them only at a normal interpreter exit, which a launched process never has (it ends
+with os._exit, a signal, or SIGKILL). The child removes the folder itself as it exits
+(`remove_own_tmp_dir`); whatever way it ended, `stop()` removes it too, even with
+WORKBENCH_KEEP_LOGS=1 (it holds no logs).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ LOOPBACK = "127.0.0.1"
 TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
 LOG_DIR_ENV = "WORKBENCH_LOG_DIR"  # a child's group's log folder: groups it makes nest inside
+TMP_DIR_ENV = "WORKBENCH_PROCESS_TMPDIR"  # a child's own temp folder (also its TMPDIR)
+TMP_PREFIX = "workbench-tmp-"  # only folders named so are ever removed as a child's temp folder
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
 
@@ -67,6 +76,7 @@ class Child:
     index: int
     popen: subprocess.Popen
     log_path: Path
+    tmp_dir: Path  # its own TMPDIR, removed when it ends (see the module's docstring)
     started_at: float = field(default_factory=time.time)
     expected_exit: bool = False  # set when the child reported it is done
     keepalive_fd: int | None = None  # see ProcessGroup(stop_at_exit=False)
@@ -154,12 +164,15 @@ class ProcessGroup:
                 "Fix: make a new ProcessGroup for a new cluster."
             )
         log_path = self.log_dir / f"{role}-{index}.log"
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{role}-{index}-", dir=self.log_dir))
         child_env = {
             **os.environ,
             **env,
             **self.network.env(),
             TASK_ENV: f"{role}:{index}",
             LOG_DIR_ENV: str(self.log_dir),
+            "TMPDIR": str(tmp_dir),  # Python's tempfile (so AutoGraph) and TensorFlow's C++ use it
+            TMP_DIR_ENV: str(tmp_dir),
             "PYTHONUNBUFFERED": "1",
         }
         child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -175,7 +188,7 @@ class ProcessGroup:
                 close_fds=True,
                 pass_fds=pass_fds,  # the namespace descriptors, for the netns.py join wrapper
             )
-        child = Child(role, index, popen, log_path)
+        child = Child(role, index, popen, log_path, tmp_dir)
         if not self.stop_at_exit:
             child.keepalive_fd = os.dup(popen.stdin.fileno())
         self.children.append(child)
@@ -212,8 +225,18 @@ class ProcessGroup:
 def _stop_group(children: list[Child], network, log_dir: Path, grace: float = 2.0) -> None:
     _stop_children(children, grace)
     network.close()
+    for c in children:  # a child killed by SIGKILL could not remove its own
+        shutil.rmtree(c.tmp_dir, ignore_errors=True)
     if os.environ.get(KEEP_LOGS_ENV) != "1":
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def remove_own_tmp_dir() -> None:
+    """Child side, as it exits hard (os._exit skips TensorFlow's clean-up of its AutoGraph files):
+    removes the temp folder its group made for it. Nothing outside a launched process."""
+    folder = os.environ.get(TMP_DIR_ENV)
+    if folder and os.path.basename(folder).startswith(TMP_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stop_children(children: list[Child], grace: float = 2.0) -> None:

@@ -1,13 +1,16 @@
 """A TensorFlow server of a local async-ps cluster: `python -m workbench._src.launch.server_main`.
 
 Started by MultiWorkerAsyncReplicator with the cluster spec (all 127.0.0.1 addresses) and its
-task ("worker:1", "ps:0") in the environment. It serves until its parent stops it or dies.
+task ("worker:1", "ps:0") in the environment. It serves until its parent stops it (SIGTERM) or
+dies (EOF on stdin); either way it removes its own temp folder (AutoGraph's files, processes.py)
+and exits hard, as TensorFlow's servers cannot be shut down cleanly.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 
 
 def main() -> None:
@@ -15,6 +18,9 @@ def main() -> None:
     from workbench._src.launch.processes import TASK_ENV
 
     exit_when_parent_dies()
+    # server.join() would block in C++, where no Python signal handler runs: the main thread
+    # sleeps in signal.pause() instead (the server serves from its own threads).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cluster = json.loads(os.environ["WORKBENCH_CLUSTER"])
     job, index = os.environ[TASK_ENV].split(":")
     from workbench._src.core import tf_setup
@@ -28,7 +34,17 @@ def main() -> None:
     server = t.distribute.Server(
         t.train.ClusterSpec(cluster), job_name=job, task_index=int(index), protocol="grpc", start=True
     )
-    server.join()
+    while server is not None:  # the reference keeps it serving (Server.__del__ stops it)
+        signal.pause()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    from workbench._src.launch.processes import remove_own_tmp_dir
+
+    remove_own_tmp_dir()
+    # Then die of the signal itself, so the parent still reads "killed by SIGTERM".
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 if __name__ == "__main__":

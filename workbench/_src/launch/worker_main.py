@@ -5,7 +5,8 @@ and key in its environment (TF_CONFIG too for a multi-worker worker). It connect
 the work (cloudpickled), builds this process's replicator (a multi-worker worker joins its peers;
 the async-ps coordinator starts its parameter servers and workers), runs the work, sends the
 result, and exits hard (os._exit): TensorFlow's collective runtime can hang a normal interpreter
-shutdown, and the launcher already has all it needs.
+shutdown, and the launcher already has all it needs. os._exit skips TensorFlow's clean-up of its
+AutoGraph files, so the process removes its own temp folder (its TMPDIR, processes.py) first.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def main() -> None:
                 repl._close_launched_process()
             except Exception:  # noqa: BLE001 - exiting anyway; servers also exit on stdin EOF
                 pass
+        from workbench._src.launch.processes import remove_own_tmp_dir
+
+        remove_own_tmp_dir()  # AutoGraph's files; the group's stop() removes it if we never get here
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
