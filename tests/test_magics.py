@@ -7,7 +7,7 @@ import time
 import pytest
 import tensorflow as tf
 from IPython.core.error import UsageError
-from notebook_toy import TOY_CELL, ipython_shell, isolated_notebook_state
+from notebook_toy import TOY_CELL, define_toy, ipython_shell, isolated_notebook_state
 
 import workbench as wb
 from workbench._src.core.reaper import discard_programs
@@ -79,12 +79,33 @@ def test_set_form_sets_the_session_replicator(ip):
         ("step_fn --steps 10", r"two notebook functions.*received step_fn.*Fix: %replicate step_fn input_fn"),
         ("step_fn input_fn", r"How many steps\? Fix: %replicate step_fn input_fn --steps 300"),
         ("--steps 10", r"two notebook functions.*received none"),
+        (
+            "--backend mirrored --replicas 2 the session replicator",
+            r"--backend mirrored --replicas 2 chooses the session's replicator.*received the session "
+            r"replicator\. Fix: %replicate --backend mirrored --replicas 2 alone",
+        ),
     ],
 )
 def test_mistakes_raise_usage_errors_that_say_the_fix(ip, line, message):
     ip.user_ns.update(step_fn=lambda b: {}, input_fn=lambda c: None)
     with pytest.raises(UsageError, match=re.compile(message, re.S)):
         magic(ip, line)
+
+
+def test_a_trailing_comment_is_dropped_as_a_shell_would(ip):
+    # The README's lines, pasted as they are: IPython passes the comment on to the magic.
+    repl = magic(ip, "--backend mirrored --replicas 2      # the session's replicator (wb.current())")
+    assert wb.current() is repl and repl.num_replicas == 2
+    define_toy(repl, ip.user_ns)
+    run = magic(ip, "step_fn input_fn --steps 3 --no-live   # train functions defined earlier")
+    assert run.status == "finished" and len(run.history) == 3
+    # A '#' inside quotes or inside a word is not a comment.
+    from workbench._src.notebook.magics import strip_comment
+
+    assert strip_comment("--logdir 'runs #2' --steps 3 # three") == "--logdir 'runs #2' --steps 3"
+    assert strip_comment('--logdir "a \\" #b" # c') == '--logdir "a \\" #b"'
+    assert strip_comment("--logdir runs#2") == "--logdir runs#2"
+    assert strip_comment("# only a comment") == ""
 
 
 def test_no_replicator_chosen_says_how(ip):

@@ -186,6 +186,9 @@ class ReplicateMagics(Magics):
           %%replicate --scaling 1,2,4,8 --mode strong --steps 50
           %%replicate --compare --replicas 4 --steps 3
         """
+        # IPython hands a line magic the whole rest of the line, a trailing `# comment` included
+        # (the README's lines have one); drop it as a shell would, or its words become arguments.
+        line = strip_comment(line)
         try:
             args = magic_arguments.parse_argstring(self.replicate, line)
         except UsageError as e:
@@ -220,6 +223,15 @@ class ReplicateMagics(Magics):
             return magic_studies.compare_form(self, args, cell)
         if cell is not None:
             return self._cell_form(args, cell)
+        if args.functions and args.steps is None and len(args.functions) != 2 and _choice_given(args):
+            # Choosing a backend, with stray words on the line: say so in terms of backends.
+            choice = _choice_text(args)
+            raise UsageError(
+                f"%replicate {choice} chooses the session's replicator, but the line also has words "
+                f"that are not options: received {' '.join(args.functions)}. Fix: %replicate {choice} "
+                f"alone (a comment after it starts with #); to train notebook functions on it, name "
+                f"both and the steps: %replicate step_fn input_fn {choice} --steps 300.\n{USAGE}"
+            )
         if args.functions or args.steps is not None:
             return self._line_form(args)
         return self._set_form(args)
@@ -375,6 +387,42 @@ class ReplicateMagics(Magics):
             cell=cell,
             namespace=self.shell.user_ns,
         )
+
+
+def strip_comment(line: str) -> str:
+    """The line without a trailing `# comment`, as a shell reads it: `#` starts a comment at the
+    start of a word outside quotes (`--logdir 'runs #2'` and `--logdir runs#2` keep theirs).
+
+    >>> strip_comment("--backend mirrored --replicas 4   # the session's replicator")
+    '--backend mirrored --replicas 4'
+    >>> strip_comment("--logdir 'runs #2' --steps 3 # three")
+    "--logdir 'runs #2' --steps 3"
+    """
+    quote = None
+    escaped = False
+    for i, char in enumerate(line):
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line
+
+
+def _choice_text(args) -> str:
+    """The backend options the line gave, as they would be typed: --backend mirrored --replicas 4."""
+    given = (
+        ("--backend", args.backend),
+        ("--replicas", args.replicas),
+        ("--workers", args.workers),
+        ("--ps", args.ps),
+    )
+    return " ".join(f"{flag} {value}" for flag, value in given if value is not None)
 
 
 def _choice_given(args) -> bool:
