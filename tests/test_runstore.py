@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -73,7 +74,7 @@ def test_runs_lists_them_and_load_run_reloads_one(runs_dir, toy):
     assert table["id"].tolist() == [a.id, b.id]
     assert table["status"].tolist() == ["finished", "finished"]
     assert table["steps"].tolist() == [10, 20] and table["backend"].tolist() == ["mirrored"] * 2
-    for column in ("num_replicas", "started", "duration_s", "examples_per_sec", "loss", "path"):
+    for column in ("replicas", "started", "duration_s", "examples_per_sec", "loss", "path"):
         assert column in table.columns
     rec = wb.load_run(b.id)
     assert rec.status == "finished" and rec.config["steps"] == 20 and rec.summary["steps_recorded"] == 20
@@ -167,8 +168,11 @@ def test_one_truth_summary_run_store_and_runs_table_agree(runs_dir, toy):
     a = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=60, steps_per_execution=20)
     b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=40, steps_per_execution=20)
     summary = b.summary()
-    # The second run of the same program counts its own steps (not the program's 61..100).
-    assert summary["steps"] == 40 and b.history["step"].iloc[0] == a.history["step"].iloc[-1] + 1 > 40
+    # The second run of the same program counts its own steps (not the program's 61..100), in
+    # its history too; the program's own count is the global_step column.
+    assert summary["steps"] == 40 and b.history["step"].tolist() == list(range(1, 41))
+    first = a.history["global_step"].iloc[-1] + 1  # (the toy model is shared by the module)
+    assert b.history["global_step"].tolist() == list(range(first, first + 40))
     assert summary["steps_per_sec"] > 0 and summary["examples_per_sec"] > 0
     # examples/s is steps/s times the batch (the toy's global batch: 16 examples a step).
     assert summary["examples_per_sec"] == pytest.approx(summary["steps_per_sec"] * 16, rel=2e-3)
@@ -215,3 +219,106 @@ def test_replicate_tensorboard_points_at_the_run_store_event_files(runs_dir, toy
             UsageError, match=rf"TensorBoard is not installed.*{run.id}/tb.*pip install tensorboard"
         ):
             ip.run_line_magic("replicate", "--tensorboard")
+
+
+def test_runs_have_identity_and_configuration_columns(runs_dir, toy):
+    """Issue 23: an id unique across kernels, a readable unique name, source, tags, the
+    configuration and hparams as wb.runs() columns; a second run's steps start at 1 (CSV too)."""
+    a = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=30, steps_per_execution=10,
+                          tags=["baseline"], hparams={"lr": 0.05, "optimizer": "sgd"})  # fmt: skip
+    b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=20, name=a.name)
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", a.id) and a.id != b.id
+    # The default name says what ran and when; a clash in the store gets a suffix.
+    assert re.fullmatch(r"mirrored x2 \u00b7 .*\d\d:\d\d", a.name), a.name
+    assert b.name == f"{a.name} (2)"
+    table = wb.runs().set_index("id")
+    for column in ("id", "name", "status", "source", "started", "tags", "backend", "replicas", "workers",
+                   "ps", "global_batch", "steps", "steps_per_execution", "lr", "optimizer"):  # fmt: skip
+        assert column in table.reset_index().columns, column
+    row = table.loc[a.id]
+    assert (row["name"], row["backend"], row["replicas"], row["workers"], row["ps"]) == (a.name, "mirrored", 2, 1, 0)
+    assert (row["global_batch"], row["steps"], row["steps_per_execution"]) == (16, 30, 10)
+    assert (row["tags"], row["lr"], row["optimizer"]) == ("baseline", 0.05, "sgd")
+    assert table.loc[b.id, "name"] == b.name and table["name"].is_unique
+    # Steps from the run's start everywhere: history, CSV export, TensorBoard.
+    assert b.history["step"].tolist() == list(range(1, 21))
+    first = a.history["global_step"].iloc[-1] + 1  # (the toy model is shared by the module)
+    assert b.history["global_step"].tolist() == list(range(first, first + 20))
+    csv = pd.read_csv(runs_dir / b.id / "history.csv")
+    assert csv["step"].tolist() == list(range(1, 21)) and csv["global_step"].iloc[0] == first
+
+
+def test_names_are_unique_across_kernels_sharing_a_store(runs_dir):
+    """Two processes naming runs alike in one store: the second gets a suffix (store lock)."""
+    code = (
+        "import sys, workbench as wb; wb.set_runs_dir(sys.argv[1]);"
+        "from workbench._src.core.run import Run; from workbench._src.sinks import attach_default_sinks;"
+        "runs = [Run({'backend': 'mirrored', 'num_replicas': 4}, name='shared') for _ in range(3)];"
+        "[attach_default_sinks(r) for r in runs]; print('|'.join(r.name for r in runs))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(runs_dir)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    names = [n for p in procs for n in p.communicate(timeout=60)[0].strip().split("|")]
+    assert sorted(names) == ["shared"] + [f"shared ({i})" for i in range(2, 7)]
+    table = wb.runs()
+    assert table["name"].is_unique and len(table) == 6 and table["id"].is_unique
+
+
+def test_rename_and_tag_runs(runs_dir, toy):
+    a = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=5)
+    b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=5)
+    assert wb.rename_run(a, "baseline lr=0.05") == "baseline lr=0.05" and a.name == "baseline lr=0.05"
+    with pytest.raises(wb.ConfigurationError, match=rf"run {a.id} is already named 'baseline lr=0.05'"):
+        wb.rename_run(b.id, "baseline lr=0.05")
+    assert wb.tag_run(b.id, "sweep", "lr") == ["sweep", "lr"] and b.tags == ["sweep", "lr"]
+    assert wb.tag_run(b, "best") == ["sweep", "lr", "best"]
+    assert wb.tag_run(b, "only", replace=True) == ["only"]
+    with pytest.raises(wb.ConfigurationError, match=r"a tag is a non-empty string without commas; received 'a,b'"):
+        wb.tag_run(b, "a,b")
+    table = wb.runs().set_index("id")
+    assert table.loc[a.id, "name"] == "baseline lr=0.05" and table.loc[b.id, "tags"] == "only"
+    _, rows = wb.compare_runs([a, b])
+    assert rows["name"].tolist() == ["baseline lr=0.05", b.name]  # legends and table use the names
+
+
+def test_a_run_failing_before_its_first_step_keeps_its_configuration(runs_dir, toy):
+    def broken_step(x, y):
+        raise ValueError("no step today")
+
+    with pytest.raises(Exception, match="no step today"):
+        toy["repl"].train(broken_step, toy["input_fn"], steps=5, name="broken", tags=["t"])
+    row = wb.runs().iloc[-1]
+    assert (row["name"], row["status"], row["backend"], row["replicas"], row["steps_asked"], row["tags"]) == (
+        "broken", "failed", "mirrored", 2, 5, "t")  # fmt: skip
+
+
+def test_examples_per_step_equals_the_global_batch_in_process(runs_dir, toy):
+    """examples/s / steps/s is the global batch (16) on the same window, per-step and fused."""
+    for spe in (1, 7, "auto"):
+        run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=80, steps_per_execution=spe)
+        s = run.summary()
+        assert s["examples_per_sec"] / s["steps_per_sec"] == pytest.approx(16, rel=0.01), (spe, s)
+    single = wb.replicator("single")
+    ns = define_toy(single, {})
+    s = single.train(ns["step_fn"], ns["input_fn"], steps=50).summary()
+    assert s["examples_per_sec"] / s["steps_per_sec"] == pytest.approx(16, rel=0.01)
+
+
+def test_tensorboard_writer_does_not_retrace(runs_dir, toy):
+    """No 'triggered tf.function retracing' warning from our writer, however many runs."""
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("tensorflow")  # (TensorFlow's logger does not propagate)
+    logger.addHandler(handler)
+    try:
+        for _ in range(7):
+            run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=3)
+            runstore._write_tensorboard(runs_dir / run.id / "tb2", run.history.to_dict("list"))
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "retracing" in m], seen

@@ -48,7 +48,7 @@ from workbench._src.numerics.batchnorm_report import BatchNormReport, batchnorm_
 from workbench._src.numerics.differences import compare_numerics, plot_numerics
 from workbench._src.numerics.loss_scaling import LossScalingReport, check_loss_scaling
 from workbench._src.store.compare import Comparison, compare_runs
-from workbench._src.store.runhistory import delete_runs
+from workbench._src.store.runhistory import delete_runs, rename_run, tag_run
 from workbench._src.studies.scaling import ScalingStudy, scaling_study
 
 __version__ = "0.1.0"
@@ -89,10 +89,12 @@ __all__ = [
     "load_ipython_extension",
     "load_run",
     "plot_numerics",
+    "rename_run",
     "replicator",
     "runs",
     "scaling_study",
     "set_runs_dir",
+    "tag_run",
     "ui",
     "use",
 ]

@@ -13,32 +13,91 @@ loop. A sink is a callable taking an Event, or an object with `send(event)`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import secrets
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-_ids = itertools.count(1)
+_source_override: str | None = None  # set by `workbench run FILE.py` (set_source)
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Run of this process
 
 
-def _new_process_tag() -> str:
-    # Random, not the pid: containers (every kernel pid 1) and machines sharing a runs directory
-    # repeat pids. 6 hex digits: two kernels starting runs in the same second with the same
-    # counter collide with probability 1 in 16 million.
-    return secrets.token_hex(3)
+def live_run(run_id: str):
+    """The wb.Run of this process with that id, while something still holds it (else None)."""
+    return _live.get(run_id)
 
 
-_process_tag = _new_process_tag()
-if hasattr(os, "register_at_fork"):  # a forked worker must not share its parent's tag
+def new_run_id(now: float | None = None) -> str:
+    """'20261124-140233-a1b2c3': the start time (sorts by time) and 6 random hex digits.
 
-    def _retag_after_fork() -> None:
-        global _process_tag
-        _process_tag = _new_process_tag()
+    Random per run, not a pid or a per-process counter: containers give every kernel pid 1,
+    machines sharing a runs directory repeat pids, and counters restart in every kernel (issue
+    23 saw "run 3" twice). Two runs started in the same second collide with probability 1 in 16
+    million; the store makes a second folder if they do (runstore._new_folder).
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return f"{stamp}-{secrets.token_hex(3)}"
 
-    os.register_at_fork(after_in_child=_retag_after_fork)
+
+def set_source(path: str | os.PathLike | None) -> None:
+    """Names the script runs come from (`workbench run FILE.py` calls it; None: detect again)."""
+    global _source_override
+    _source_override = os.fspath(path) if path is not None else None
+
+
+def run_source() -> str | None:
+    """Where runs of this process come from: the notebook's path, else the script's file.
+
+    A Jupyter kernel learns its notebook from the server: JPY_SESSION_NAME in its environment
+    (jupyter_server sets it to the notebook's path) or `__session__` in the user namespace
+    (ipykernel copies it there). None when neither a notebook nor a script can be told.
+    """
+    if _source_override:
+        return _source_override
+    session = os.environ.get("JPY_SESSION_NAME")
+    if not session:
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython() if "IPython" in sys.modules else None
+        except Exception:  # noqa: BLE001 - IPython broken or absent: no notebook to name
+            shell = None
+        if shell is not None:
+            session = shell.user_ns.get("__session__")
+    if session:
+        return str(session)
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path and not os.path.basename(path).startswith(("ipykernel_launcher", "pytest", "__main__")):
+        return path
+    return None
+
+
+def short_source(source: str | None) -> str:
+    """'work/nb01.ipynb' -> 'nb01'; None -> ''."""
+    if not source:
+        return ""
+    base = os.path.basename(str(source).rstrip("/"))
+    return base.rsplit(".", 1)[0] if "." in base else base
+
+
+def default_name(config: dict, source: str | None, started: float | None = None) -> str:
+    """What ran, where and when: 'mirrored x4 · nb01 · 14:02' ('async-ps 2w 1ps · train · 09:15')."""
+    backend = config.get("backend") or "run"
+    workers, ps = config.get("num_workers"), config.get("num_ps")
+    if ps:
+        what = f"{backend} {workers or '?'}w {ps}ps"
+    elif (config.get("num_replicas") or 1) > 1:
+        what = f"{backend} x{config['num_replicas']}"
+    else:
+        what = backend
+    parts = [what, short_source(source), time.strftime("%H:%M", time.localtime(started))]
+    return " \u00b7 ".join(p for p in parts if p)
+
 
 Status = str  # "created" | "running" | "finished" | "stopped" | "non-finite" | "failed"
 ENDED_STATUSES = ("finished", "stopped", "non-finite", "failed")
@@ -46,10 +105,13 @@ ENDED_STATUSES = ("finished", "stopped", "non-finite", "failed")
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """Something that happened in a run. kind: started | metrics | checkpoint | message | ended.
+    """Something that happened in a run. kind: started | metrics | checkpoint | message |
+    renamed | ended.
 
     `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
-    for metrics: {"rows": [ {step, wall_time, examples_per_sec, <metrics>}, ... ]}.
+    for metrics: {"rows": [ {step (from the run's start), wall_time, examples_per_sec,
+    global_step (the program's), examples (this step's global batch), <metrics>}, ... ]};
+    for renamed: {"name", "tags"}.
     """
 
     kind: str
@@ -59,17 +121,37 @@ class Event:
     data: dict
 
 
-class Run:
-    """A training run: `history` (DataFrame), `events`, `status`, `stop()`, `wait()`."""
+def _rebased(row: dict, step: int) -> dict:
+    """The row with `step` counted from the run's start and the program's step as `global_step`
+    (columns: step, wall_time, examples_per_sec, global_step, then the rest)."""
+    head = {"step": step}
+    for key in ("wall_time", "examples_per_sec"):
+        if key in row:
+            head[key] = row[key]
+    head["global_step"] = row["step"]
+    head.update((k, v) for k, v in row.items() if k not in head and k != "step")
+    return head
 
-    def __init__(self, config: dict, name: str | None = None):
-        number = next(_ids)
-        # <time>-<process tag>-<counter>: sorts by time (to the second), unique across processes
-        # (the tag) and within one (the counter); the counter stays last, so 'run 3' can be read
-        # back from an id.
-        self.id = f"{time.strftime('%Y%m%d-%H%M%S')}-{_process_tag}-{number:03d}"
-        self.name = name or f"run {number}"
+
+class Run:
+    """A training run: `history` (DataFrame), `events`, `status`, `stop()`, `wait()`.
+
+    Identity: `id` (unique across kernels and machines sharing a store, sorted by time), `name`
+    (readable; the run store makes it unique there, see runstore.claim_name), `tags`, and
+    `config` (backend, replicas, ..., `source`: the notebook or script, `hparams`).
+    """
+
+    def __init__(self, config: dict, name: str | None = None, tags=(), hparams: dict | None = None):
+        created = time.time()
+        self.id = new_run_id(created)
         self.config = dict(config)
+        self.config.setdefault("source", run_source())
+        if hparams:
+            self.config["hparams"] = dict(hparams)
+        self.name = name or default_name(self.config, self.config.get("source"), created)
+        self.tags: list[str] = list(dict.fromkeys(str(t) for t in tags or ()))
+        self.created_at = created
+        _live[self.id] = self
         self.status: Status = "created"
         self.stop_reason: str | None = None
         self.error: BaseException | None = None
@@ -193,8 +275,15 @@ class Run:
         return event
 
     def record_rows(self, rows: list[dict]) -> None:
+        """Appends rows; `step` counts from this run's start (1, 2, ...) whatever the program's
+        own count, which is kept as `global_step` (a second run of a model: step 1.., global 301..)."""
         with self._lock:
-            for row in rows:
+            for i, row in enumerate(rows):
+                if "global_step" not in row and "step" in row:  # (a relayed row is rebased already)
+                    row = rows[i] = _rebased(row, self._rows + 1)
+                batch = row.get("examples")
+                if batch is not None and batch == batch and "global_batch" not in self.config:
+                    self.config["global_batch"] = int(batch)  # known from the first step on
                 for key in row:
                     if key not in self._columns:  # a metric seen for the first time
                         self._columns[key] = [float("nan")] * self._rows
@@ -203,6 +292,11 @@ class Run:
                 self._rows += 1
         self.publish("metrics", rows=rows)
 
+    def rename(self, name: str) -> None:
+        """Sets the name shown everywhere (wb.rename_run also renames it in the run store)."""
+        self.name = str(name)
+        self.publish("renamed", name=self.name, tags=list(self.tags))
+
     # ----- lifecycle (called by whatever executes the run) ----------------------------------
     def _start(self) -> None:
         if self.status != "created":
@@ -210,7 +304,7 @@ class Run:
         self.status = "running"
         self.started_at = time.time()
 
-    def _end(self, status: Status, reason: str | None = None) -> None:
+    def _end(self, status: Status, reason: str | None = None, details: str | None = None) -> None:
         """Ends the run once; later calls are ignored (the first ending is the true one)."""
         if status not in ENDED_STATUSES:
             raise ValueError(f"a run ends as one of {ENDED_STATUSES}; received status={status!r}.")
@@ -222,7 +316,8 @@ class Run:
         self.ended_at = time.time()
         self.status = status
         try:
-            self.publish("ended", status=status, reason=reason)
+            extra = {"details": details} if details else {}
+            self.publish("ended", status=status, reason=reason, name=self.name, **extra)
         finally:
             self._done.set()
 
@@ -234,7 +329,10 @@ class Run:
                 error.run = self  # the history up to the failure travels with the error
             except AttributeError:  # a built-in exception that takes no attributes
                 pass
-        self._end("failed", f"{type(error).__name__}: {error}")
+        import traceback
+
+        details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        self._end("failed", f"{type(error).__name__}: {error}", details=details[-20000:])
 
     def _repr_html_(self):
         import html

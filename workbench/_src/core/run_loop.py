@@ -69,7 +69,7 @@ def new_run(replicator, step_fn, input_fn, opts: RunOptions) -> Run:
         "steps": opts.steps,
         "steps_per_execution": opts.steps_per_execution,
     }
-    run = Run(config, name=opts.name)
+    run = Run(config, name=opts.name, tags=opts.tags, hparams=opts.hparams)
     attach_default_sinks(run)
     for sink in opts.sinks:
         run.subscribe(sink)
@@ -263,7 +263,7 @@ class ChunkLoop:
             last = now
             bad = first_nonfinite(
                 rows,
-                program.steps_done - done + 1,
+                program.steps_done - done + 1 - first_step,  # counted from the run's start
                 program.metric_names,
                 self.opts.on_nonfinite,
                 self.saver is not None,
@@ -293,7 +293,7 @@ class ChunkLoop:
                 paced_from = (now, program.steps_done)
             first_call = False
         if status == "finished" and not reason and stopping and program.steps_done < target:
-            status, reason = "stopped", run.stopped_reason(program.steps_done)
+            status, reason = "stopped", run.stopped_reason(program.steps_done - first_step)
         return status, reason
 
     def _exhausted(self, ran: int) -> str:
@@ -324,9 +324,10 @@ class ChunkLoop:
         out = []
         for i in range(n):
             row = {
-                "step": first_step + i,
+                "step": first_step + i,  # the program's; wb.Run counts from the run's start
                 "wall_time": t0 + per_step * (i + 1),
                 "examples_per_sec": rates[i],
+                "examples": float(rows[i, -1]),  # this step's global batch (run_stats' examples/s)
                 **extra,
             }
             for j, metric in enumerate(names):

@@ -31,7 +31,10 @@ class RunOptions:
         absorb tracing; `run.compile_seconds` is their first call's). They do train the model.
       background: return at once and train in a thread; use run.stop() / run.wait().
       sinks: callables (or objects with send) that receive the run's events.
-      name: the run's name (default "run N").
+      name: the run's name (default: what ran, where and when, e.g. "mirrored x4 · nb01 ·
+        14:02"); the run store adds a suffix when another run there has it.
+      tags: labels for finding the run later (wb.runs()["tags"], wb.tag_run).
+      hparams: the run's hyperparameters, e.g. {"lr": 1e-3}: columns of wb.runs().
     """
 
     steps: int
@@ -46,6 +49,8 @@ class RunOptions:
     background: bool = False
     sinks: tuple = ()
     name: str | None = None
+    tags: tuple = ()
+    hparams: dict | None = None
 
     def __post_init__(self):
         steps = self.steps
@@ -88,6 +93,16 @@ class RunOptions:
 
             self.checkpoint_dir = check_writable_directory(self.checkpoint_dir)
         self.sinks = tuple(self.sinks or ())
+        if isinstance(self.tags, str):
+            self.tags = (self.tags,)
+        self.tags = tuple(str(t) for t in self.tags or ())
+        if self.hparams is not None and not isinstance(self.hparams, dict):
+            raise ConfigurationError(
+                f"hparams must be a dict of name -> value; received hparams={self.hparams!r}. "
+                "Fix: e.g. hparams={'lr': 1e-3, 'batch': 128}."
+            )
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ConfigurationError(f"name must be a non-empty string; received name={self.name!r}.")
 
     def for_workers(self) -> dict:
         """The options a launched process trains with (sinks, background and name stay here)."""

@@ -14,8 +14,10 @@ for the first chunk of a new program, which traced and compiled):
 - steps_per_sec: timed steps / the wall-clock seconds they took, over the last WINDOW_SECONDS while
   the run goes, over every timed step once it has ended. Wall clock between chunk ends, so the
   loop's own overhead between compiled calls counts: this is the rate at which the run advances.
-- examples_per_sec: steps_per_sec x examples per step (the batch, read back from the rows:
-  examples_per_sec x the step's time), i.e. the examples trained per wall-clock second.
+- examples_per_sec: the examples those same steps trained (the `examples` column: each step's
+  global batch) / the same seconds, i.e. global batch x steps_per_sec, on every backend (async-ps
+  included, where a step is one worker's batch). Histories written before that column existed
+  read the batch back from the rows (examples_per_sec x the step's time).
 - median_examples_per_sec: the median of the per-step examples_per_sec column: the speed of the
   compiled calls alone. Always labelled "median" where shown (figure panel).
 - eta_seconds: steps still to go / steps_per_sec (None before the first timed chunk).
@@ -27,7 +29,8 @@ import bisect
 import math
 
 WINDOW_SECONDS = 10.0
-RESERVED = ("step", "wall_time", "examples_per_sec")
+# Columns that are bookkeeping, not metrics (never plotted or listed as a metric).
+RESERVED = ("step", "wall_time", "examples_per_sec", "global_step", "examples")
 
 
 def figures(columns, running: bool = False, target_steps: int | None = None) -> dict:
@@ -67,9 +70,15 @@ def figures(columns, running: bool = False, target_steps: int | None = None) -> 
     if steps <= 0 or seconds <= 0:
         return out
     out["steps_per_sec"] = round_rate(steps / seconds)
-    batch = _examples_per_step(wall, eps, start, n)
-    if batch is not None:
-        out["examples_per_sec"] = round_rate(batch * steps / seconds)
+    examples = _column(columns, "examples")
+    if examples:  # the same steps over the same seconds as steps_per_sec
+        counted = [float(v) for v in examples[start:n] if _finite(v)]
+        if len(counted) == steps:
+            out["examples_per_sec"] = round_rate(sum(counted) / seconds)
+    else:
+        batch = _examples_per_step(wall, eps, start, n)
+        if batch is not None:
+            out["examples_per_sec"] = round_rate(batch * steps / seconds)
     timed = sorted(float(v) for v in eps[first_timed:] if _finite(v))
     if timed:
         out["median_examples_per_sec"] = round_rate(timed[len(timed) // 2])

@@ -12,9 +12,8 @@ import io
 import math
 import threading
 
-from workbench._src.core.run_stats import describe, figures, last_metrics
+from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics
 
-RESERVED = ("step", "wall_time", "examples_per_sec")
 MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
 MAX_METRIC_PANELS = 5
 DPI = 96  # the figure shows at its natural size in a notebook: readable fonts
@@ -68,7 +67,8 @@ def summarize(columns: dict, running: bool = False, target_steps: int | None = N
     out: dict = {"steps": fig["steps"], "steps_recorded": fig["steps"]}  # steps_recorded: older readers
     if not fig["steps"]:
         return out
-    out["last_step"] = int(columns["step"][-1])  # the program's own step number (absolute)
+    # The program's own step number (absolute); histories before global_step had it in step.
+    out["last_step"] = int((columns.get("global_step") or columns["step"])[-1])
     for key in ("wall_time_s", "steps_per_sec", "examples_per_sec", "median_examples_per_sec"):
         if fig[key] is not None:
             out[key] = fig[key]

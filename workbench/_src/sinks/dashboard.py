@@ -115,13 +115,16 @@ class Dashboard:
         if event.kind == "started":
             self.started, self.status, self.run_id = True, "running", event.run_id
             self.config = dict(event.data.get("config") or {})
-            self.name = _name_from_id(event.run_id)
+            self.name = event.data.get("name") or _name_from_id(event.run_id)
             self.first_step = int(event.data.get("first_step", 1))
             self._start_thread()
         elif event.kind in ("message", "checkpoint"):
             self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
+        elif event.kind == "renamed":
+            self.name = event.data.get("name") or self.name
         elif event.kind == "ended":
             self.run_id = self.run_id or event.run_id
+            self.name = self.name or event.data.get("name") or _name_from_id(event.run_id)
             self._ended = dict(event.data)
             if self._thread is None:
                 self._finish()
@@ -201,7 +204,8 @@ class Dashboard:
         now = time.monotonic()
         title = run_plot.title_for(self.config, self.status, columns, self.name, self.target)
         if final:
-            self.png = run_plot.final_png(self.run_id or "?", columns, title)
+            has_steps = bool(columns.get("step"))
+            self.png = run_plot.final_png(self.run_id or "?", columns, title) if has_steps else None
             self._show_final(summary, title)
         elif self.frontend == "widgets" and len(columns.get("step", ())) > 1 and now >= self._next_plot:
             t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
@@ -266,17 +270,27 @@ class Dashboard:
     def _show_final(self, summary: dict, title: str) -> None:
         reason = shown_reason(self.status, (self._ended or {}).get("reason"))
         text = title + (f" ({reason})" if reason else "")
+        failed = self.status == "failed"
         if self.frontend == "console":
             from workbench._src.sinks import runstore
 
             where = runstore.record_dir(self.run_id)
             print(text + (f"; figure: {where}/{runstore.FIGURE}" if where else ""), flush=True)
             return
-        self._image.value = self.png
-        self._image.layout.display = ""
+        if self.png is not None:
+            self._image.value = self.png
+            self._image.layout.display = ""
         self._stop_button.layout.display = "none"
         if self._handle is not None:
-            bundle = {"image/png": base64.b64encode(self.png).decode("ascii"), "text/plain": text}
+            if failed:  # the reason first, in one line; the traceback behind a toggle
+                bundle = {
+                    "text/html": failed_html(self.name, reason, (self._ended or {}).get("details"), self.png)
+                }
+            elif self.png is not None:
+                bundle = {"image/png": base64.b64encode(self.png).decode("ascii")}
+            else:
+                bundle = {}
+            bundle["text/plain"] = text
             self._handle.update(bundle, raw=True)
             if not self._background:
                 # A foreground cell is still running, so the replacement surely reached the
@@ -311,6 +325,29 @@ def _name_from_id(run_id: str) -> str:
     """'20261122-113235-003' -> 'run 3' (what wb.Run names it by default)."""
     tail = run_id.rsplit("-", 1)[-1]
     return f"run {int(tail)}" if tail.isdigit() else f"run {run_id}"
+
+
+def failed_html(name: str, reason: str | None, details: str | None, png: bytes | None) -> str:
+    """A failed run in its cell: 'name failed: ValueError: ...' in one line, then a "details"
+    toggle with the traceback, then the figure of the steps it did take (if any)."""
+    import html
+
+    first = (reason or "failed").strip().splitlines()[0] if (reason or "").strip() else "failed"
+    if len(first) > 300:
+        first = first[:300] + "\u2026"
+    out = (
+        "<div class='wb-run-failed' style='border-left:3px solid var(--jp-error-color1,#c62828);"
+        "padding:2px 8px'>"
+        f"<b>{html.escape(name or 'run')} failed:</b> <code class='wb-error-line'>{html.escape(first)}</code>"
+    )
+    if details or (reason and reason.strip() != first):
+        out += (
+            "<details class='wb-error-details'><summary>details</summary>"
+            f"<pre style='white-space:pre-wrap;font-size:85%'>{html.escape(details or reason or '')}</pre></details>"
+        )
+    if png is not None:
+        out += f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/>"
+    return out + "</div>"
 
 
 def _status_html(title: str, message: str | None, reason: str | None) -> str:

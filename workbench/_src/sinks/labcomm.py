@@ -15,6 +15,8 @@ throughput) and pushes it to every open comm of target TARGET as one "snapshot" 
                       {"type": "stop", "run_id": id | None}, {"type": "figure", "run_id": id | None},
                       {"type": "runs"}, {"type": "compare", "run_ids": [...]},
                       {"type": "delete", "run_ids": [...]} (answered with "runs"),
+                      {"type": "rename", "run_id", "name"}, {"type": "tag", "run_id", "tags": [...]}
+                      (wb.rename_run / wb.tag_run; answered with "runs" and a snapshot),
                       {"type": "export", "run_id": id, "what": "csv" | "figure"}
 
 Every figure a run shows (steps, steps/s, examples/s, ETA) comes from workbench._src.core.run_stats,
@@ -157,8 +159,10 @@ def _on_msg(comm, msg) -> None:
             comm.send({"type": "error", "text": "No run of this kernel is running: nothing to stop."})
     elif kind == "figure":
         comm.send(_figure(data.get("run_id")))
-    elif kind in ("runs", "compare", "delete", "export"):
+    elif kind in ("runs", "compare", "delete", "export", "rename", "tag"):
         comm.send(_store_request(kind, data))
+        if kind in ("delete", "rename", "tag"):
+            _push()  # every open sidebar (other notebooks too) hears of it at once
     elif kind in ("refresh", "hello"):
         comm.send(snapshot())
     else:
@@ -205,7 +209,17 @@ def _store_request(kind: str, data: dict) -> dict:
 
     try:
         if kind == "delete":
-            runhistory.delete_runs(list(data.get("run_ids") or []))
+            deleted = runhistory.delete_runs(list(data.get("run_ids") or []))
+            with _lock:  # their cards leave the sidebar with the next snapshot
+                for run_id in deleted:
+                    _watchers.pop(run_id, None)
+            kind = "runs"
+        elif kind == "rename":
+            runhistory.rename_run(str(data.get("run_id")), str(data.get("name") or ""))
+            kind = "runs"
+        elif kind == "tag":
+            tags = [t.strip() for t in data.get("tags") or [] if str(t).strip()]
+            runhistory.tag_run(str(data.get("run_id")), *tags, replace=True)
             kind = "runs"
         if kind == "runs":
             return {"type": "runs", "rows": _runs_rows()}
@@ -224,10 +238,13 @@ def _runs_rows() -> list[dict]:
 
     table = runhistory.runs()
     keep = [
-        "id", "name", "status", "backend", "num_replicas", "steps", "steps_asked", "duration_s",
+        "id", "name", "status", "source", "started", "tags", "backend", "replicas", "workers", "ps",
+        "global_batch", "steps", "steps_asked", "steps_per_execution", "duration_s",
         "steps_per_sec", "examples_per_sec", "loss",
     ]  # fmt: skip
-    table = table[[c for c in keep if c in table.columns]]
+    table = table[[c for c in keep if c in table.columns]].assign(
+        started=table["started"].map(lambda t: None if t != t else t.timestamp()) if len(table) else []
+    )
     rows = compare.table_rows(table)
     for row in rows:
         row["group"] = study_group(row.get("name") or "")[0]
@@ -255,15 +272,17 @@ def _export(run_id: str, what: str) -> dict:
 
 
 def study_group(name: str) -> tuple[str | None, bool]:
-    """(group, is_warmup) from a run's name: a scaling study's runs ('scaling weak n=2') share
-    the group 'scaling weak', shown as one sidebar group with a line per configuration; warm-up
-    runs ('warm-up', 'scaling weak n=2 warm-up': untimed, they absorb tracing) are not shown once
-    they ended."""
+    """(group, is_warmup) from a run's name: a scaling study's runs ('scaling weak n=2 warm-up ·
+    mirrored · 14:02:33', named by studies/scaling.py) share the group 'scaling weak · mirrored
+    · 14:02:33' (mode, backend, start time: two studies never merge), shown as one sidebar group
+    with a line per configuration; warm-up runs (untimed, they absorb tracing) are not shown once
+    they ended. Older names ('scaling weak n=2') group as 'scaling weak'."""
     import re
 
-    warmup = name == "warm-up" or name.endswith(" warm-up")
-    match = re.fullmatch(r"(scaling \w+) n=\d+( warm-up)?", name)
-    return (match.group(1) if match else None), warmup
+    name = re.sub(r" \(\d+\)$", "", name)  # the store's clash suffix
+    match = re.fullmatch(r"(scaling \w+) n=\d+( warm-up)?((?: \u00b7 [^\u00b7]+)*)", name)
+    warmup = name == "warm-up" or name.endswith(" warm-up") or bool(match and match.group(2))
+    return (match.group(1) + match.group(3) if match else None), warmup
 
 
 # ----- the session and the runs ------------------------------------------------------------
@@ -320,8 +339,9 @@ class _RunWatcher:
         self.stop_requested = False
         self.first_step: int | None = None
         self.metrics: dict[str, float | None] = {}
-        self._wall: list[float] = []  # the two columns the figures need (not the whole history)
+        self._wall: list[float] = []  # the columns the figures need (not the whole history)
         self._eps: list[float] = []
+        self._examples: list[float] = []
         self.figures: dict = figures({}, running=True)
         self.started: float | None = None
         self.ended: float | None = None
@@ -348,6 +368,12 @@ class _RunWatcher:
             self.foreground = threading.current_thread() is threading.main_thread()
             self.status, self.started = "running", event.time
             self.first_step = event.data.get("first_step", 1)
+            self.name = event.data.get("name") or self.name  # (the store may have suffixed it)
+            self.group, self.warmup = study_group(self.name)
+            self._send_now()
+        elif event.kind == "renamed":
+            self.name = event.data.get("name") or self.name
+            self.group, self.warmup = study_group(self.name)
             self._send_now()
         elif event.kind == "metrics":
             self._update(event.data["rows"])
@@ -367,11 +393,12 @@ class _RunWatcher:
         for row in rows:
             self._wall.append(float(row["wall_time"]))
             self._eps.append(float(row.get("examples_per_sec", math.nan)))
+            self._examples.append(float(row.get("examples", math.nan)))
         last = rows[-1]
         self.metrics = {k: _finite(v) for k, v in last.items() if k not in RESERVED}
 
     def _refigure(self) -> None:
-        columns = {"wall_time": self._wall, "examples_per_sec": self._eps}
+        columns = {"wall_time": self._wall, "examples_per_sec": self._eps, "examples": self._examples}
         self.figures = figures(columns, running=self.running, target_steps=self.target)
 
     def _send_now(self) -> None:

@@ -95,26 +95,39 @@ def record_dir(run_id: str | None) -> Path | None:
 
 def _recorder_factory(run) -> Recorder:
     base = getattr(_local, "path", None) or runs_dir()
-    return Recorder(run.id, run.name, base)
+    recorder = Recorder(run.id, run.name, base, config=run.config, tags=getattr(run, "tags", ()))
+    run.name = recorder.name  # unique in the store: every other sink shows this name
+    return recorder
 
 
 class Recorder:
-    """A sink writing one run's folder. Cheap per event; the figure and TensorBoard at the end."""
+    """A sink writing one run's folder. Cheap per event; the figure and TensorBoard at the end.
 
-    def __init__(self, run_id: str, name: str, base: Path):
-        self.run_id, self.name = run_id, name
-        self.path = _new_folder(Path(base), run_id)
-        _recorded[run_id] = self.path
+    The record (config.json) is written at once, with the run's configuration: a run that fails
+    before its first step still says what it was (backend, replicas, ...), and its name is
+    claimed in the store before another kernel can take it.
+    """
+
+    def __init__(self, run_id: str, name: str, base: Path, config: dict | None = None, tags=()):
+        self.run_id = run_id
         self.history = run_plot.History()
-        self.record: dict = {
-            "id": run_id,
-            "name": name,
-            "status": "created",
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
         self._flushed = 0
         self._last_flush = time.monotonic()
+        with store_lock(Path(base)):
+            self.path = _new_folder(Path(base), run_id)
+            _recorded[run_id] = self.path
+            self.name = unique_name(Path(base), name, exclude=self.path.name)
+            self.record: dict = {
+                "id": run_id,
+                "name": self.name,
+                "status": "created",
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": time.time(),
+                "tags": list(tags),
+                "config": config if config is not None else {},
+            }
+            self._write_record()
 
     def send(self, event: Event) -> None:
         if event.kind == "metrics":
@@ -126,6 +139,8 @@ class Recorder:
         if event.kind == "started":
             self.record.update(status="running", started=event.time, config=event.data.get("config", {}))
             self._write_record()
+        elif event.kind == "renamed":  # wb.rename_run / tag_run wrote the file; keep it so
+            self.record.update(name=event.data.get("name"), tags=list(event.data.get("tags") or []))
         elif event.kind == "checkpoint":
             self.record["last_checkpoint"] = event.data.get("path")
         elif event.kind == "ended":
@@ -139,7 +154,6 @@ class Recorder:
             ended=event.time,
             summary=run_plot.summarize(columns),
         )
-        self.record.setdefault("started", event.time)
         self._write_history(columns)
         self._write_record()  # the essentials are safe before the slower parts below
         config = self.record.get("config", {})
@@ -191,6 +205,47 @@ class Recorder:
         os.replace(tmp, self.path / HISTORY)
 
 
+@contextlib.contextmanager
+def store_lock(base: Path):
+    """Holds the store's lock file (flock) while names are read and claimed: kernels on this
+    machine (and on others, where the file system honours flock) never give two runs one name."""
+    import fcntl
+
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def store_names(base: Path, exclude: str | None = None) -> dict[str, str]:
+    """name -> run folder of every recorded run under base (call with store_lock held)."""
+    names = {}
+    for folder in base.iterdir() if base.is_dir() else []:
+        if folder.name == exclude:
+            continue
+        try:
+            name = json.loads((folder / CONFIG).read_text()).get("name")
+        except (OSError, ValueError):
+            continue
+        if name:
+            names[name] = folder.name
+    return names
+
+
+def unique_name(base: Path, name: str, exclude: str | None = None) -> str:
+    """`name`, or `name (2)`, `name (3)`, ... whichever no other run in the store has."""
+    taken = store_names(base, exclude)
+    if name not in taken:
+        return name
+    n = 2
+    while f"{name} ({n})" in taken:
+        n += 1
+    return f"{name} ({n})"
+
+
 def _new_folder(base: Path, run_id: str) -> Path:
     """base/run_id, or base/run_id-<pid> when another process used the same id (same second)."""
     base.mkdir(parents=True, exist_ok=True)
@@ -204,32 +259,48 @@ def _new_folder(base: Path, run_id: str) -> Path:
 
 
 def _write_tensorboard(path: Path, columns: dict) -> None:
-    """Scalars for every metric and examples/s, in one compiled call (eager writes cost ~0.7 ms each)."""
+    """Scalars for every metric and examples/s, written as TensorBoard event records directly.
+
+    No tf.summary and no tf.function: a compiled writer made per run traced again for every run,
+    and TensorFlow warned about retracing from the 5th run in a kernel on (issue 23); eager
+    tf.summary writes cost ~0.7 ms each. An event file is a TFRecord file of `Event` protos.
+    """
     if not columns.get("step"):
         return
-    import numpy as np
+    import math
+
+    from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    from tensorflow.core.util import event_pb2
 
     from workbench._src.core.tf_setup import tf
 
-    t = tf()
     names = run_plot.metric_names(columns) + ["examples_per_sec"]
-    steps = np.asarray(columns["step"], dtype=np.int64)
-    steps = steps - steps[0] + 1  # counted from the run's start, as every view counts them
-    values = np.stack([np.asarray(columns[n], dtype=np.float32) for n in names], axis=1)
-    finite = np.isfinite(values)
-    metadata = _scalar_metadata()
-
-    def write_all(steps, values, finite):
-        for i in t.range(t.shape(steps)[0]):
-            for j, name in enumerate(names):  # unrolled: one write op per metric
-                if finite[i, j]:
-                    t.summary.write(name, values[i, j], step=steps[i], metadata=metadata)
-
-    writer = t.summary.create_file_writer(str(path))
-    with t.device("/cpu:0"), writer.as_default():
-        t.function(write_all)(t.constant(steps), t.constant(values), t.constant(finite))
-    writer.flush()
-    writer.close()
+    steps = [int(v) for v in columns["step"]]  # counted from the run's start, as every view counts
+    walls = columns.get("wall_time") or [0.0] * len(steps)
+    metadata = summary_pb2.SummaryMetadata.FromString(_scalar_metadata())
+    path.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    file = path / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}.v2"
+    with tf().io.TFRecordWriter(str(file)) as out:
+        out.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+        started = now - float(walls[-1] or 0.0)
+        for i, step in enumerate(steps):
+            summary = summary_pb2.Summary()
+            for name in names:
+                value = float(columns[name][i]) if name in columns else math.nan
+                if not math.isfinite(value):
+                    continue
+                tensor = tensor_pb2.TensorProto(
+                    dtype=types_pb2.DT_FLOAT,
+                    tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+                    float_val=[value],
+                )
+                summary.value.add(tag=name, tensor=tensor, metadata=metadata)
+            if summary.value:
+                event = event_pb2.Event(
+                    wall_time=started + float(walls[i] or 0.0), step=step, summary=summary
+                )
+                out.write(event.SerializeToString())
 
 
 def _scalar_metadata() -> bytes:

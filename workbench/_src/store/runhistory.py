@@ -12,7 +12,16 @@ import socket
 from pathlib import Path
 
 from workbench._src.core.errors import ConfigurationError
-from workbench._src.sinks.runstore import CONFIG, EVENTS, FIGURE, HISTORY, _recorded, runs_dir
+from workbench._src.sinks.runstore import (
+    CONFIG,
+    EVENTS,
+    FIGURE,
+    HISTORY,
+    _recorded,
+    runs_dir,
+    store_lock,
+    store_names,
+)
 
 
 @dataclasses.dataclass
@@ -96,13 +105,26 @@ def _alive(record: dict) -> bool:
     return True
 
 
+# wb.runs()'s columns, in order (metrics, hyperparameters, stop_reason and path follow).
+COLUMNS = [
+    "id", "name", "status", "source", "started", "tags",
+    "backend", "replicas", "workers", "ps", "global_batch", "steps", "steps_asked", "steps_per_execution",
+    "duration_s", "steps_per_sec", "examples_per_sec",
+]  # fmt: skip
+
+
 def runs(directory: str | os.PathLike | None = None):
-    """All recorded runs as a DataFrame, oldest first: id, status, backend, replicas, metrics, path.
+    """All recorded runs as a DataFrame, oldest first.
+
+    Columns: id, name (unique in the store), status, source (notebook or script), started, tags
+    (comma-separated), the configuration (backend, replicas, workers, ps, global_batch,
+    steps = steps done, steps_asked, steps_per_execution), duration_s, steps_per_sec,
+    examples_per_sec, each metric's last value, each of the run's `hparams`, stop_reason, path.
 
     Example:
       >>> import workbench as wb
       >>> df = wb.runs()   # doctest: +SKIP
-      >>> df[["id", "status", "backend", "num_replicas", "steps", "loss"]]   # doctest: +SKIP
+      >>> df[df.tags.str.contains("baseline")][["name", "backend", "replicas", "loss"]]   # doctest: +SKIP
     """
     import pandas as pd
 
@@ -112,39 +134,116 @@ def runs(directory: str | os.PathLike | None = None):
         record = _read_record(folder)
         if record is None:
             continue
-        config, summary = record.get("config", {}), record.get("summary", {})
-        started, ended = record.get("started"), record.get("ended")
-        row = {
-            "id": folder.name,
-            "name": record.get("name"),
-            "status": record.get("status"),
-            "backend": config.get("backend"),
-            "num_replicas": config.get("num_replicas"),
-            "steps": summary.get("steps", summary.get("steps_recorded")),
-            "steps_asked": config.get("steps"),
-            "started": pd.Timestamp(started, unit="s") if started else pd.NaT,
-            "duration_s": round(ended - started, 3) if started and ended else None,
-            "steps_per_sec": summary.get("steps_per_sec"),
-            "examples_per_sec": summary.get("examples_per_sec"),
-        }
-        row.update({k: v for k, v in summary.items() if k not in _NOT_METRICS})
-        row.update(stop_reason=record.get("stop_reason"), path=str(folder))
-        rows.append(row)
-    columns = [
-        "id",
-        "name",
-        "status",
-        "backend",
-        "num_replicas",
-        "steps",
-        "steps_asked",
-        "started",
-        "duration_s",
-        "steps_per_sec",
-        "examples_per_sec",
-    ]
-    frame = pd.DataFrame(rows, columns=None if rows else columns)
+        rows.append(_row(folder, record, pd))
+    frame = pd.DataFrame(rows, columns=None if rows else COLUMNS)
     return frame.sort_values("started", kind="stable").reset_index(drop=True) if rows else frame
+
+
+def _row(folder: Path, record: dict, pd) -> dict:
+    config, summary = record.get("config") or {}, record.get("summary") or {}
+    started, ended = record.get("started"), record.get("ended")
+    steps = summary.get("steps", summary.get("steps_recorded"))
+    row = {
+        "id": folder.name,
+        "name": record.get("name"),
+        "status": record.get("status"),
+        "source": config.get("source"),
+        "started": pd.Timestamp(started, unit="s") if started else pd.NaT,
+        "tags": ", ".join(record.get("tags") or []),
+        "backend": config.get("backend"),
+        "replicas": config.get("num_replicas"),
+        "workers": config.get("num_workers", 1 if config.get("backend") else None),
+        "ps": config.get("num_ps", 0 if config.get("backend") else None),
+        "global_batch": config.get("global_batch"),
+        "steps": int(steps) if steps is not None else None,
+        "steps_asked": config.get("steps"),
+        "steps_per_execution": config.get("steps_per_execution"),
+        "duration_s": round(ended - started, 3) if started and ended else None,
+        "steps_per_sec": summary.get("steps_per_sec"),
+        "examples_per_sec": summary.get("examples_per_sec"),
+    }
+    row.update({k: v for k, v in summary.items() if k not in _NOT_METRICS})
+    for key, value in (config.get("hparams") or {}).items():
+        row[key if key not in row else f"hparam_{key}"] = value
+    row.update(stop_reason=record.get("stop_reason"), path=str(folder))
+    return row
+
+
+def rename_run(run, name: str, directory: str | os.PathLike | None = None) -> str:
+    """Renames a recorded run (a wb.Run, a RunRecord or an id); returns the new name.
+
+    Names are unique in the store: a name another run has is refused (the error names that run).
+    A run of this kernel that is still going shows the new name at once (sidebar, dashboard).
+
+    Example:
+      >>> import workbench as wb
+      >>> wb.rename_run(run, "baseline lr=1e-3")   # doctest: +SKIP
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigurationError(f"rename_run: a name is a non-empty string; received {name!r}.")
+    name = name.strip()
+    folder = _folder_of(run, directory)
+    with store_lock(folder.parent):
+        taken = store_names(folder.parent, exclude=folder.name)
+        if name in taken:
+            raise ConfigurationError(
+                f"rename_run: run {taken[name]} is already named {name!r} in {folder.parent}; "
+                f"received {name!r} for run {folder.name}. Fix: pick another name (names are "
+                "unique in a run store, so legends and the sidebar can tell runs apart)."
+            )
+        record = _update_record(folder, name=name)
+    _tell_live_run(folder.name, record)
+    return name
+
+
+def tag_run(run, *tags: str, replace: bool = False, directory: str | os.PathLike | None = None) -> list[str]:
+    """Adds tags to a recorded run (replace=True: sets exactly these); returns its tags.
+
+    Example:
+      >>> import workbench as wb
+      >>> wb.tag_run(run, "baseline", "lr-sweep")   # doctest: +SKIP
+      >>> wb.runs().query("tags.str.contains('baseline')")   # doctest: +SKIP
+    """
+    cleaned = []
+    for tag in tags:
+        if not isinstance(tag, str) or not tag.strip() or "," in tag:
+            raise ConfigurationError(
+                f"tag_run: a tag is a non-empty string without commas; received {tag!r}. "
+                "Fix: pass each tag separately, e.g. wb.tag_run(run, 'baseline', 'lr-sweep')."
+            )
+        cleaned.append(tag.strip())
+    folder = _folder_of(run, directory)
+    with store_lock(folder.parent):
+        old = [] if replace else list((_read_record(folder) or {}).get("tags") or [])
+        record = _update_record(folder, tags=list(dict.fromkeys(old + cleaned)))
+    _tell_live_run(folder.name, record)
+    return record["tags"]
+
+
+def _folder_of(run, directory) -> Path:
+    base = Path(directory) if directory is not None else runs_dir()
+    return _find(base, run, any_base=directory is None)
+
+
+def _update_record(folder: Path, **changes) -> dict:
+    """Rewrites config.json with `changes` (atomically; call with store_lock held)."""
+    path = folder / CONFIG
+    record = json.loads(path.read_text())
+    record.update(changes)
+    tmp = folder / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=repr))
+    os.replace(tmp, path)
+    return record
+
+
+def _tell_live_run(run_id: str, record: dict) -> None:
+    """A run of this process still in memory takes the new name and tags (its sinks hear it)."""
+    from workbench._src.core.run import live_run
+
+    run = live_run(run_id)
+    if run is not None:
+        run.tags = list(record.get("tags") or [])
+        run.rename(record.get("name") or run.name)
 
 
 def load_run(run_id: str | int = -1, directory: str | os.PathLike | None = None) -> RunRecord:

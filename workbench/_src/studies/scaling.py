@@ -8,7 +8,10 @@ then a measured run. Timing: the measured run calls the compiled loop in chunks 
 distribution (median, p90) is over chunks. With steps_per_execution=1 every chunk is one step
 (Python dispatch included); larger chunks measure the device work with less Python overhead.
 
-Arithmetic (`scaling_metrics`, pure): throughput = global batch / median step time;
+Arithmetic (`scaling_metrics`, pure): throughput = the configuration's run's examples/s
+(workbench/_src/core/run_stats.py: global batch x steps/s over the measured run, the figure the
+sidebar and the run store show for that run; global batch / median step time where a table has
+no run figure, and always as `median_step_examples_per_sec`, the compiled calls' speed);
 speed-up = throughput / throughput at the baseline (the fewest replicas, normally 1); ideal
 speed-up = replicas / baseline replicas; efficiency = speed-up / ideal. Weak scaling keeps the
 per-replica batch (global = per-replica x n), strong scaling keeps the global batch, so in both
@@ -94,7 +97,11 @@ def scaling_metrics(points):
     table = pd.DataFrame(points).sort_values("replicas").reset_index(drop=True)
     if table.empty:
         return table.assign(examples_per_sec=[], speedup=[], ideal_speedup=[], efficiency=[])
-    table["examples_per_sec"] = table["global_batch"] / table["step_time_median_s"]
+    table["median_step_examples_per_sec"] = table["global_batch"] / table["step_time_median_s"]
+    if "examples_per_sec" not in table or table["examples_per_sec"].isna().all():
+        table["examples_per_sec"] = table["median_step_examples_per_sec"]
+    else:  # the run's own figure (run_stats), where a configuration has one
+        table["examples_per_sec"] = table["examples_per_sec"].fillna(table["median_step_examples_per_sec"])
     if "step_time_mean_s" in table:
         table["mean_examples_per_sec"] = table["global_batch"] / table["step_time_mean_s"]
     base = table.iloc[0]
@@ -266,8 +273,11 @@ def scaling_study(
       >>> list(study.table["global_batch"])
       [16, 32]
     """
+    import time
+
     from workbench._src.backends import backend_class
     from workbench._src.backends import replicator as make_replicator
+    from workbench._src.core.run_stats import figures
     from workbench._src.core.tf_setup import device_summary
     from workbench._src.plots.scaling_plot import live_sink
 
@@ -305,18 +315,25 @@ def scaling_study(
     )
     devices = device_summary()
     sink = live_sink(live)
+    study_started = time.strftime("%H:%M:%S")
     with _quiet_retracing():
         for n in counts:
             repl = repls[n]
             global_batch, per_replica = batch_sizes(mode, batch_size, n)
             build = Build(setup, step_fn, input_fn, mode, global_batch, seed)
             options = {"steps_per_execution": steps_per_execution, "reduce": reduce}
-            run, compile_seconds = measure(repl, build, warmup, steps, f"scaling {mode} n={n}", options)
+            # The name tells the study apart from others (backend, start time): the sidebar
+            # groups its runs by it (labcomm.study_group).
+            name = f"scaling {mode} n={n} \u00b7 {repl.backend} \u00b7 {study_started}"
+            run, compile_seconds = measure(repl, build, warmup, steps, name, options)
             study.runs[n] = run
             eps = run.history["examples_per_sec"].dropna().to_numpy()  # per step, from chunk times
+            run_figures = figures(run.history)  # the run's figures, as the sidebar shows them
             study.points.append(
                 {"replicas": n, "mode": mode, "global_batch": global_batch, "per_replica_batch": per_replica,
                  "steps": int(run.steps), "steps_per_execution": steps_per_execution,
+                 "examples_per_sec": run_figures["examples_per_sec"],
+                 "steps_per_sec": run_figures["steps_per_sec"],
                  **step_time_stats(global_batch / eps), "compile_seconds": compile_seconds,
                  # worker processes started and joined (multi-worker); NaN in one process
                  "startup_seconds": getattr(run, "startup_seconds", float("nan")),
