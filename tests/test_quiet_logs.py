@@ -77,3 +77,19 @@ def test_workbench_demo_is_quiet(tmp_path):
     # One definition of each figure; the median is labelled as such.
     assert re.search(r"throughput     : [\d,.]+ steps/s \u00b7 [\d,.]+ examples/s \(whole run", done.stdout)
     assert re.search(r"median step    : [\d,.]+ examples/s", done.stdout), done.stdout
+
+
+def test_tensorflow_imported_by_the_user_after_the_workbench_is_quiet_too():
+    # The README's order: `import workbench` first, then the user's own `import tensorflow, keras`
+    # (not through the workbench's tf()); the first TensorFlow use is the workbench's.
+    code = (
+        "import workbench as wb\n"
+        "import tensorflow as tf, keras\n"
+        "repl = wb.replicator('mirrored', num_replicas=2)\n"
+        "print(repl.num_replicas, tf.reduce_sum(tf.ones(3)).numpy())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "WORKBENCH_TF_LOGS")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["2", "3.0"]
+    assert not done.stderr.strip(), "TensorFlow's start-up lines showed:\n" + done.stderr[-3000:]

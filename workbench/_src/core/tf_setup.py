@@ -3,11 +3,18 @@
 Virtual CPU devices stand in for accelerators on machines without any. TensorFlow only accepts
 that configuration before its runtime starts (the first op, tensor or device listing), so every
 workbench entry point imports TensorFlow through `tf()` here, which applies the layout first.
+
+TensorFlow's start-up lines (absl banner, oneDNN, CUDA probe) are held back whenever TensorFlow
+is imported after the workbench: by `tf()`, or by the user's own `import tensorflow` (or `import
+keras`) after `import workbench`, through a one-shot import hook installed when this module is
+imported. What TensorFlow printed before the workbench was imported cannot be taken back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
 import os
 import re
 import sys
@@ -76,11 +83,18 @@ _NOISE = re.compile(
 )
 
 
+_holding = False  # a hold is active (tf() importing TensorFlow through the import hook)
+
+
 @contextlib.contextmanager
 def _start_up_noise_hidden():
     """Holds back what TensorFlow writes to file descriptor 2 while it starts, then passes on
     every line but the known start-up noise (the absl banner, oneDNN and CUDA probe lines,
     `failed call to cuInit`). In a kernel, fd 2 is what the notebook shows in red."""
+    global _holding
+    if _holding:  # already held by an outer hold
+        yield
+        return
     try:
         sys.stderr.flush()
         saved = os.dup(2)
@@ -89,9 +103,11 @@ def _start_up_noise_hidden():
         return
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
+        _holding = True
         try:
             yield
         finally:
+            _holding = False
             os.dup2(saved, 2)
             os.close(saved)
             held.seek(0)
@@ -100,6 +116,57 @@ def _start_up_noise_hidden():
             if kept:
                 sys.stderr.write("\n".join(kept) + "\n")
                 sys.stderr.flush()
+
+
+class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
+    """Holds back TensorFlow's start-up lines when anyone imports it after the workbench.
+
+    The README's quickstart (`import workbench as wb` then `import tensorflow as tf, keras`)
+    imports TensorFlow itself, not through `tf()`: this finder sees that first import of
+    `tensorflow`, leaves finding it to the other finders, and runs the module's import under
+    `_start_up_noise_hidden()` (with TF_CPP_MIN_LOG_LEVEL=2 unless set). It removes itself
+    after that one import; it never imports anything on its own.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "tensorflow":
+            return None
+        _remove_import_hook()
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and not tf_logs_wanted():
+            spec.loader = _HeldLoader(spec.loader)
+        return spec
+
+
+class _HeldLoader(importlib.abc.Loader):
+    """TensorFlow's own loader, with the module's execution under the start-up hold."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        with _start_up_noise_hidden():
+            self._loader.exec_module(module)
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, ...: TensorFlow's loader's
+        return getattr(self._loader, name)
+
+
+_import_hook = _QuietTensorFlowImport()
+
+
+def _remove_import_hook() -> None:
+    with contextlib.suppress(ValueError):
+        sys.meta_path.remove(_import_hook)
+
+
+def _install_import_hook() -> None:
+    if "tensorflow" not in sys.modules and not tf_logs_wanted() and _import_hook not in sys.meta_path:
+        sys.meta_path.insert(0, _import_hook)
 
 
 def configure_devices(cpus: int | None = None) -> dict:
@@ -193,3 +260,8 @@ def accelerator_devices() -> list[str]:
     t = tf()
     gpus = [d.name for d in t.config.list_logical_devices("GPU")]
     return gpus or [d.name for d in t.config.list_logical_devices("CPU")]
+
+
+# `import workbench` imports this module: from then on TensorFlow starts quietly however it is
+# imported (see _QuietTensorFlowImport). WORKBENCH_TF_LOGS=1 leaves every import alone.
+_install_import_hook()
