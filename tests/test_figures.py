@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from test_process_backends import GLOBAL_BATCH, no_orphans, regression_setup  # noqa: F401 - fixture
 
 from workbench._src.core.run_stats import figures, fmt, fmt_duration, shown_reason
 
@@ -77,3 +78,47 @@ def test_durations_and_reasons():
     assert shown_reason("stopped", "stopped at step 8337") is None
     assert shown_reason("stopped", "interrupted at step 12") == "interrupted"
     assert shown_reason("finished", "input exhausted after step 7") == "input exhausted after step 7"
+
+
+# ----- one truth on every backend (issue 23): real runs --------------------------------------
+@pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
+def test_examples_per_step_is_the_global_batch_on_process_backends(backend, no_orphans):  # noqa: F811
+    """examples/s / steps/s = the global batch within 1%, over the same window: async-ps used to
+    report 240 steps/s beside 10,436 examples/s at 64 examples a step."""
+    import workbench as wb
+
+    repl = wb.replicator(backend, num_workers=2)
+    run = repl.train(setup=regression_setup, steps=600)
+    s = run.summary()
+    assert s["examples_per_sec"] / s["steps_per_sec"] == pytest.approx(GLOBAL_BATCH, rel=0.01), s
+    assert run.config["global_batch"] == GLOBAL_BATCH
+    assert run.history["step"].tolist() == list(range(1, 601))
+
+
+def test_scaling_study_table_shows_each_configurations_run_figures(tmp_path):
+    """A study's table (and so its plot) shows the run's own examples/s, the one the sidebar and
+    the run store show; the median step's figure keeps its own, labelled column."""
+    import tensorflow as tf
+
+    import workbench as wb
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensors(tf.ones([ctx.global_batch_size, 8])).repeat()
+
+    study = wb.scaling_study(
+        lambda x: {"s": tf.reduce_sum(x)},
+        input_fn,
+        replicas=[1, 2],
+        steps=60,
+        warmup=2,
+        batch_size=16,
+        live=False,
+    )
+    table = study.table.set_index("replicas")
+    for n, run in study.runs.items():
+        s = run.summary()
+        assert table.loc[n, "examples_per_sec"] == s["examples_per_sec"]
+        assert s["examples_per_sec"] / s["steps_per_sec"] == pytest.approx(16 * n, rel=0.01)
+        assert "median_step_examples_per_sec" in table and run.name.startswith(
+            f"scaling weak n={n} \u00b7 mirrored \u00b7 "
+        )

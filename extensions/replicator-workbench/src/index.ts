@@ -5,7 +5,14 @@
  */
 
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { Dialog, ICommandPalette, MainAreaWidget, Notification, showDialog } from '@jupyterlab/apputils';
+import {
+  Dialog,
+  ICommandPalette,
+  InputDialog,
+  MainAreaWidget,
+  Notification,
+  showDialog
+} from '@jupyterlab/apputils';
 import { DocumentRegistry } from '@jupyterlab/docregistry';
 import { INotebookModel, INotebookTracker, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 import { Kernel } from '@jupyterlab/services';
@@ -79,7 +86,9 @@ function activate(
     tensorboard: runId => void openTensorBoard(runId),
     requestRuns: () => sendOrWarn({ type: 'runs' }),
     compare: runIds => sendOrWarn({ type: 'compare', run_ids: runIds }),
-    deleteRuns: runIds => void deleteRuns(runIds)
+    deleteRuns: runIds => void deleteRuns(runIds),
+    renameRun: row => void renameRun(row),
+    tagRun: row => void tagRun(row)
   });
   sidebar.id = SIDEBAR_ID;
   sidebar.title.icon = replicasIcon;
@@ -98,7 +107,12 @@ function activate(
     let link = links.get(kernel);
     if (!link) {
       const made = new KernelLink(kernel);
-      made.changed.connect(() => made === current && refresh());
+      made.changed.connect(() => {
+        notifyFor(made); // every kernel's runs, not only the active notebook's
+        if (made === current) {
+          refresh();
+        }
+      });
       made.replies.connect((_, reply) => onReply(reply));
       kernel.disposed.connect(() => {
         links.delete(kernel);
@@ -125,9 +139,6 @@ function activate(
     if (current && state === 'ready' && (asked !== current || newlyEnded(previous, snapshot))) {
       asked = current; // the run store changed (a run ended) or a new kernel: ask for its table
       current.send({ type: 'runs' });
-    }
-    for (const run of newlyEndedLongRuns(previous, snapshot)) {
-      notifyEnded(run.name, run.status, run.steps_per_sec);
     }
     previous = snapshot;
     sidebar.render(state, snapshot, tracker.currentWidget?.title.label ?? '');
@@ -175,11 +186,26 @@ function activate(
     return key(after) !== key(before);
   }
 
-  /** A long run ended: tell the user even when the notebook is not what they look at. */
-  function notifyEnded(name: string, status: string, stepsPerSec: number | null): void {
+  /**
+   * Long runs of `link`'s kernel that ended since its last snapshot, told when their notebook is
+   * not what the user looks at. Every link is watched, not only the active notebook's: the
+   * commonest case is a run ending while another notebook is the active tab.
+   */
+  const seen = new Map<KernelLink, ISnapshot | null>();
+  function notifyFor(link: KernelLink): void {
+    const before = seen.get(link) ?? null;
+    seen.set(link, link.snapshot);
+    for (const run of newlyEndedLongRuns(before, link.snapshot)) {
+      notifyEnded(link, run.name, run.status, run.steps_per_sec);
+    }
+  }
+
+  /** A long run ended: tell the user unless its notebook is the active, visible tab. */
+  function notifyEnded(link: KernelLink, name: string, status: string, stepsPerSec: number | null): void {
     const panel = tracker.currentWidget;
-    const away = document.hidden || !panel || !panel.isVisible;
-    if (!away) {
+    const looking =
+      !document.hidden && !!panel && panel.isVisible && panel.sessionContext.session?.kernel === link.kernel;
+    if (looking) {
       return;
     }
     const text = `${name} ${status} (${formatNumber(stepsPerSec)} steps/s)`;
@@ -194,6 +220,32 @@ function activate(
       Notification.warning('The workbench is not loaded in this notebook\u2019s kernel: run %load_ext workbench.', {
         autoClose: 5000
       });
+    }
+  }
+
+  async function renameRun(row: IStoredRun): Promise<void> {
+    const answer = await InputDialog.getText({
+      title: 'Rename run',
+      label: `A name unique in the run store (now: ${row.name ?? row.id})`,
+      text: row.name ?? ''
+    });
+    if (answer.button.accept && answer.value && answer.value.trim() && answer.value !== row.name) {
+      sendOrWarn({ type: 'rename', run_id: row.id, name: answer.value.trim() });
+    }
+  }
+
+  async function tagRun(row: IStoredRun): Promise<void> {
+    const answer = await InputDialog.getText({
+      title: 'Tag run',
+      label: `Tags of ${row.name ?? row.id}, separated by commas`,
+      text: row.tags ?? ''
+    });
+    if (answer.button.accept && answer.value !== null) {
+      const tags = answer.value
+        .split(',')
+        .map(t => t.trim())
+        .filter(Boolean);
+      sendOrWarn({ type: 'tag', run_id: row.id, tags });
     }
   }
 

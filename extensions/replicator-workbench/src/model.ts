@@ -63,7 +63,16 @@ export interface IStoredRun {
   name: string | null;
   status: string | null;
   backend: string | null;
-  num_replicas: number | null;
+  replicas?: number | null;
+  workers?: number | null;
+  ps?: number | null;
+  global_batch?: number | null;
+  steps_per_execution?: number | string | null;
+  source?: string | null;
+  /** Comma-separated (wb.tag_run). */
+  tags?: string | null;
+  /** Seconds since the epoch. */
+  started?: number | null;
   steps: number | null;
   duration_s: number | null;
   steps_per_sec: number | null;
@@ -73,16 +82,39 @@ export interface IStoredRun {
   [column: string]: unknown;
 }
 
-export type SortKey = 'id' | 'name' | 'backend' | 'steps' | 'steps_per_sec' | 'examples_per_sec' | 'loss';
+export type SortKey =
+  | 'id'
+  | 'name'
+  | 'backend'
+  | 'replicas'
+  | 'global_batch'
+  | 'started'
+  | 'steps'
+  | 'steps_per_sec'
+  | 'examples_per_sec'
+  | 'loss';
 
-/** The table's rows sorted by `key` (missing values last), optionally only one backend. */
+/** What a row is found by in the table's filter box: name, tags, source, backend, status. */
+export function rowText(row: IStoredRun): string {
+  return [row.name, row.tags, row.source, row.backend, row.status, row.id]
+    .filter(v => typeof v === 'string')
+    .join(' ')
+    .toLowerCase();
+}
+
+/**
+ * The table's rows sorted by `key` (missing values last), optionally only one backend and only
+ * rows whose name, tags, source, backend or status hold every word of `text`.
+ */
 export function sortAndFilter(
   rows: IStoredRun[],
   key: SortKey,
   descending: boolean,
-  backend: string | null
+  backend: string | null,
+  text = ''
 ): IStoredRun[] {
-  const kept = rows.filter(r => !backend || r.backend === backend);
+  const words = text.toLowerCase().split(/\s+/).filter(Boolean);
+  const kept = rows.filter(r => (!backend || r.backend === backend) && words.every(w => rowText(r).includes(w)));
   const value = (r: IStoredRun): number | string | null => {
     const v = r[key];
     return typeof v === 'number' || typeof v === 'string' ? v : null;
@@ -233,6 +265,34 @@ export function formatNumber(value: number | null | undefined): string {
     return value.toFixed(size === 0 ? 0 : 3).replace(/\.?0+$/, '') || '0';
   }
   return value.toPrecision(3);
+}
+
+/** A count (steps, replicas): always an integer, "40" not "40.0"; "1,200"; null -> "–". */
+export function formatCount(value: number | null | undefined): string {
+  if (value === null || value === undefined || !Number.isFinite(value)) {
+    return '\u2013';
+  }
+  return Math.round(value).toLocaleString('en-US');
+}
+
+/** "mirrored x4", "async-ps 2w 1ps", "single": a run's configuration in a table cell. */
+export function describeConfig(row: IStoredRun): string {
+  const backend = row.backend ?? '?';
+  if (row.ps) {
+    return `${backend} ${row.workers ?? '?'}w ${row.ps}ps`;
+  }
+  return typeof row.replicas === 'number' && row.replicas > 1 ? `${backend} x${row.replicas}` : backend;
+}
+
+/** "scaling weak · mirrored · 14:02:33" -> "Scaling study · weak · mirrored · 14:02:33". */
+export function studyTitle(group: string): string {
+  return `Scaling study \u00b7 ${group.replace(/^scaling /, '')}`;
+}
+
+/** "scaling weak n=2 · mirrored · 14:02:33" -> "n=2" (the study's line for that configuration). */
+export function studyLineName(name: string): string {
+  const match = /^scaling \w+ (n=\d+)/.exec(name);
+  return match ? match[1] : name;
 }
 
 function plural(count: number, word: string): string {

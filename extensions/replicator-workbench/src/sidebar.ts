@@ -9,11 +9,13 @@ import { Widget } from '@lumino/widgets';
 
 import {
   backendsOf,
+  describeConfig,
   describeDevices,
   describeEta,
   describeProgress,
   describeReplicas,
   describeStatus,
+  formatCount,
   formatNumber,
   IRunInfo,
   isRunning,
@@ -24,7 +26,9 @@ import {
   progressFraction,
   SortKey,
   sortAndFilter,
-  stateHint
+  stateHint,
+  studyLineName,
+  studyTitle
 } from './model';
 
 export interface ISidebarActions {
@@ -39,16 +43,26 @@ export interface ISidebarActions {
   requestRuns(): void;
   compare(runIds: string[]): void;
   deleteRuns(runIds: string[]): void;
+  /** Asks for a new name (unique in the store), then wb.rename_run in the kernel. */
+  renameRun(row: IStoredRun): void;
+  /** Asks for the run's tags, then wb.tag_run in the kernel. */
+  tagRun(row: IStoredRun): void;
 }
 
+/**
+ * The table's columns: few and narrow, so all fit the default sidebar width; the rest of a
+ * run's configuration (source, start, global batch, steps per execution, steps/s) is under its
+ * name and in its tooltip, and every one of them can be filtered on with the text box.
+ */
 const TABLE_COLUMNS: [SortKey, string][] = [
   ['name', 'run'],
-  ['backend', 'backend'],
+  ['replicas', 'config'],
   ['steps', 'steps'],
-  ['steps_per_sec', 'steps/s'],
-  ['examples_per_sec', 'examples/s'],
+  ['examples_per_sec', 'ex/s'],
   ['loss', 'loss']
 ];
+
+type Tab = 'kernel' | 'store';
 
 export class ReplicatorSidebar extends Widget {
   constructor(private readonly actions: ISidebarActions) {
@@ -63,7 +77,8 @@ export class ReplicatorSidebar extends Widget {
    * never replaced between mouse down and up.
    */
   render(state: LinkState, snapshot: ISnapshot | null, notebookName: string): void {
-    const key = structureKey(state, snapshot, notebookName);
+    this._last = [state, snapshot, notebookName];
+    const key = `${this._tab}|${structureKey(state, snapshot, notebookName)}`;
     if (key === this._key && snapshot) {
       for (const run of snapshot.runs) {
         this._rows.get(run.id)?.(run);
@@ -85,6 +100,23 @@ export class ReplicatorSidebar extends Widget {
         hint.append(el('pre', 'wb-load-line', LOAD_LINE));
       }
       root.append(hint);
+      return;
+    }
+    // Two tabs: this kernel's runs (cards) and the run store's table, one click apart however
+    // many cards there are.
+    const tabs = el('div', 'wb-tabs');
+    for (const [tab, label] of [
+      ['kernel', 'This kernel'],
+      ['store', `Run store (${this._storedRows.length})`]
+    ] as [Tab, string][]) {
+      const node = button(label, `wb-tab wb-tab-${tab}`, () => this.showTab(tab));
+      node.classList.toggle('wb-tab-active', tab === this._tab);
+      node.setAttribute('aria-selected', String(tab === this._tab));
+      tabs.append(node);
+    }
+    root.append(tabs);
+    if (this._tab === 'store') {
+      root.append(this._store);
       return;
     }
     root.append(this.section('Devices', [el('div', 'wb-devices', describeDevices(snapshot.devices))]));
@@ -113,11 +145,22 @@ export class ReplicatorSidebar extends Widget {
     }
     for (const [group, runs] of groups) {
       const lines = [...runs].reverse().map(r => this.studyLine(r)); // in the order measured: n=1, 2, 4...
-      const node = this.section(`Scaling study \u00b7 ${group.replace(/^scaling /, '')}`, lines);
+      const node = this.section(studyTitle(group), lines);
       node.classList.add('wb-study');
       root.append(node);
     }
-    root.append(this._store);
+  }
+
+  /** Switches between this kernel's runs and the run store's table. */
+  showTab(tab: Tab): void {
+    if (tab === this._tab) {
+      return;
+    }
+    this._tab = tab;
+    if (tab === 'store') {
+      this.actions.requestRuns();
+    }
+    this.render(...this._last);
   }
 
   /** The run store's table (every recorded run): sort, filter by backend, pick, compare, delete. */
@@ -126,6 +169,10 @@ export class ReplicatorSidebar extends Widget {
     const ids = new Set(rows.map(r => r.id));
     this._selected = new Set([...this._selected].filter(id => ids.has(id)));
     this.renderStore();
+    const tab = this.node.querySelector('.wb-tab-store');
+    if (tab) {
+      tab.textContent = `Run store (${rows.length})`;
+    }
   }
 
   private renderStore(): void {
@@ -155,8 +202,24 @@ export class ReplicatorSidebar extends Widget {
     const remove = button('Delete', 'wb-delete', () => this.actions.deleteRuns([...this._selected]));
     remove.disabled = this._selected.size === 0;
     const refresh = button('Refresh', 'wb-refresh', () => this.actions.requestRuns());
-    tools.append(filter, compare, remove, refresh);
-    store.append(tools);
+    const one = this._storedRows.find(r => this._selected.size === 1 && this._selected.has(r.id));
+    const rename = button('Rename', 'wb-rename', () => one && this.actions.renameRun(one));
+    rename.disabled = !one;
+    rename.title = 'Rename the picked run (wb.rename_run): names are unique in the run store';
+    const tag = button('Tag', 'wb-tag', () => one && this.actions.tagRun(one));
+    tag.disabled = !one;
+    tag.title = 'Set the picked run\u2019s tags (wb.tag_run)';
+    const search = document.createElement('input');
+    search.type = 'search';
+    search.className = 'wb-filter-text';
+    search.placeholder = 'filter: name, tag, notebook, backend, status';
+    search.value = this._text;
+    search.addEventListener('input', () => {
+      this._text = search.value;
+      this.renderRows();
+    });
+    tools.append(filter, compare, rename, tag, remove, refresh);
+    store.append(tools, search);
     const table = el('table', 'wb-runs-table');
     const head = el('tr', 'wb-runs-head');
     head.append(el('th', 'wb-pick', ''));
@@ -171,7 +234,22 @@ export class ReplicatorSidebar extends Widget {
       head.append(th);
     }
     table.append(head);
-    for (const row of sortAndFilter(this._storedRows, this._sortKey, this._descending, this._backend)) {
+    this._table = table;
+    this.renderRows();
+    const scroller = el('div', 'wb-runs-scroll');
+    scroller.append(table);
+    store.append(scroller);
+    if (!this._storedRows.length) {
+      store.append(el('div', 'wb-empty', 'No recorded run yet.'));
+    }
+  }
+
+  /** The table's rows (the filter box re-renders only these, so it keeps its focus). */
+  private renderRows(): void {
+    const table = this._table;
+    table.querySelectorAll('.wb-stored-run').forEach(node => node.remove());
+    const rows = sortAndFilter(this._storedRows, this._sortKey, this._descending, this._backend, this._text);
+    for (const row of rows) {
       const tr = el('tr', 'wb-stored-run');
       tr.dataset.runId = row.id;
       tr.dataset.backend = row.backend ?? '';
@@ -189,30 +267,36 @@ export class ReplicatorSidebar extends Widget {
       });
       const cell = el('td', 'wb-pick');
       cell.append(pick);
+      const name = el('td', 'wb-col-name');
+      name.append(el('div', 'wb-stored-name', row.name ?? row.id));
+      const details = [row.tags ? `#${row.tags.split(', ').join(' #')}` : '', sourceName(row.source), startedAt(row.started)];
+      name.append(el('div', 'wb-stored-details', details.filter(Boolean).join(' \u00b7 ')));
+      tr.dataset.status = row.status ?? '';
       tr.append(
         cell,
-        el('td', 'wb-col-name', row.name ?? row.id),
-        el('td', 'wb-col-backend', describeReplicas(row.backend, row.num_replicas).replace(' replicas', '').replace(' replica', '')),
-        el('td', 'wb-col-steps', formatNumber(row.steps)),
-        el('td', 'wb-col-steps_per_sec', formatNumber(row.steps_per_sec)),
+        name,
+        el('td', 'wb-col-config', describeConfig(row)),
+        el('td', 'wb-col-steps', formatCount(row.steps)),
         el('td', 'wb-col-examples_per_sec', formatNumber(row.examples_per_sec)),
         el('td', 'wb-col-loss', formatNumber(row.loss))
       );
-      tr.title = `${row.id} \u00b7 ${row.status ?? ''}`;
+      tr.title = [
+        `${row.name ?? row.id} (${row.id})`,
+        `status: ${row.status ?? '?'}`,
+        `${describeReplicas(row.backend, row.replicas, row.workers)}${row.ps ? ` \u00b7 ${row.ps} ps` : ''}`,
+        `global batch ${formatCount(row.global_batch)} \u00b7 steps/execution ${row.steps_per_execution ?? '\u2013'}`,
+        `${formatNumber(row.steps_per_sec)} steps/s \u00b7 ${formatNumber(row.examples_per_sec)} examples/s`,
+        `source: ${row.source ?? '\u2013'}`,
+        `tags: ${row.tags || '\u2013'}`
+      ].join('\n');
       table.append(tr);
-    }
-    const scroller = el('div', 'wb-runs-scroll');
-    scroller.append(table);
-    store.append(scroller);
-    if (!this._storedRows.length) {
-      store.append(el('div', 'wb-empty', 'No recorded run yet.'));
     }
   }
 
   /**
-   * One configuration of a scaling study: the run's steps/s and examples/s (as every card shows
-   * them) and the median step's examples/s, labelled, which is what the study's table and plot
-   * report as its throughput.
+   * One configuration of a scaling study: the run's steps/s and examples/s, the figures every
+   * card, the study's table and its plot show, and the median compiled step's examples/s,
+   * labelled as what it is (the compiled calls alone, without the loop's overhead).
    */
   private studyLine(run: IRunInfo): HTMLElement {
     const line = el('div', 'wb-study-line');
@@ -222,9 +306,9 @@ export class ReplicatorSidebar extends Widget {
     stats.append(
       el('span', 'wb-run-rate', `${formatNumber(run.steps_per_sec)} steps/s`),
       el('span', 'wb-run-throughput', `${formatNumber(run.examples_per_sec)} examples/s`),
-      el('span', 'wb-run-median', `median step ${formatNumber(run.median_examples_per_sec)} examples/s`)
+      el('span', 'wb-run-median', `median compiled step ${formatNumber(run.median_examples_per_sec)} examples/s`)
     );
-    line.append(el('span', 'wb-run-name', run.name.replace(/^scaling \w+ /, '')), stats);
+    line.append(el('span', 'wb-run-name', studyLineName(run.name)), stats);
     return line;
   }
 
@@ -296,6 +380,10 @@ export class ReplicatorSidebar extends Widget {
   }
 
   private _key = '';
+  private _last: [LinkState, ISnapshot | null, string] = ['no-kernel', null, ''];
+  private _tab: Tab = 'kernel';
+  private _text = '';
+  private _table: HTMLElement = el('table', 'wb-runs-table');
   private _rows = new Map<string, (run: IRunInfo) => void>();
   private _store = el('section', 'wb-section wb-store');
   private _storedRows: IStoredRun[] = [];
@@ -314,6 +402,22 @@ function structureKey(state: LinkState, snapshot: ISnapshot | null, notebookName
     snapshot?.replicator ?? null,
     (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason])
   ]);
+}
+
+/** 'work/nb01.ipynb' -> 'nb01.ipynb' (the table is narrow; the tooltip has the path). */
+function sourceName(source: string | null | undefined): string {
+  return source ? source.split('/').pop() ?? source : '';
+}
+
+/** Seconds since the epoch -> "Nov 24 14:02" (local time). */
+function startedAt(started: number | null | undefined): string {
+  if (typeof started !== 'number') {
+    return '';
+  }
+  const d = new Date(started * 1000);
+  const month = d.toLocaleString('en-US', { month: 'short' });
+  const pad = (n: number) => String(n).padStart(2, '0');
+  return `${month} ${d.getDate()} ${pad(d.getHours())}:${pad(d.getMinutes())}`;
 }
 
 function el(tag: string, className: string, text?: string): HTMLElement {

@@ -17,6 +17,10 @@ import {
   formatNumber,
   IRunInfo,
   IStoredRun,
+  describeConfig,
+  formatCount,
+  studyLineName,
+  studyTitle,
   newlyEndedLongRuns,
   ISnapshot,
   lastEndedRun,
@@ -175,4 +179,21 @@ test('a notification is due for a long run that just ended, not for short ones o
   assert.deepEqual(newlyEndedLongRuns(after, after), []);
   // The kernel sets the threshold (WORKBENCH_NOTIFY_AFTER): 1 s makes the 5 s run long too.
   assert.deepEqual(newlyEndedLongRuns(before, { ...after, notify_after_seconds: 1 }).map(r => r.id), ['long', 'short']);
+});
+
+test('store table: text filter over name, tags, source; counts as integers; configs; study labels', () => {
+  const rows = [
+    { id: 'a', name: 'baseline', status: 'finished', backend: 'mirrored', replicas: 4, tags: 'best, lr', source: 'nb01.ipynb', steps: 40, duration_s: 1, steps_per_sec: 1, examples_per_sec: 1, loss: 1 },
+    { id: 'b', name: 'other', status: 'failed', backend: 'async-ps', replicas: 2, workers: 2, ps: 1, tags: '', source: 'train.py', steps: 3, duration_s: 1, steps_per_sec: 1, examples_per_sec: 1, loss: 1 }
+  ] as IStoredRun[];
+  assert.deepEqual(sortAndFilter(rows, 'id', false, null, 'best').map(r => r.id), ['a']);
+  assert.deepEqual(sortAndFilter(rows, 'id', false, null, 'train failed').map(r => r.id), ['b']);
+  assert.deepEqual(sortAndFilter(rows, 'id', false, null, '').map(r => r.id), ['a', 'b']);
+  assert.equal(formatCount(40.0), '40');
+  assert.equal(formatCount(1200.4), '1,200');
+  assert.equal(formatCount(null), '\u2013');
+  assert.equal(describeConfig(rows[0]), 'mirrored x4');
+  assert.equal(describeConfig(rows[1]), 'async-ps 2w 1ps');
+  assert.equal(studyTitle('scaling weak \u00b7 mirrored \u00b7 14:02:33'), 'Scaling study \u00b7 weak \u00b7 mirrored \u00b7 14:02:33');
+  assert.equal(studyLineName('scaling weak n=2 \u00b7 mirrored \u00b7 14:02:33'), 'n=2');
 });

@@ -157,6 +157,8 @@ class ReplicateMagics(Magics):
         help="return the run at once and train in a thread (run.stop(), run.wait())",
     )
     @magic_arguments.argument("--no-live", action="store_true", help="no live dashboard and progress bar")
+    @magic_arguments.argument("--name", metavar="NAME", help="the run's name (unique in the run store)")
+    @magic_arguments.argument("--tags", metavar="A,B", help="the run's tags, separated by commas")
     @magic_arguments.argument(
         "--checkpoint", metavar="DIR", help="save checkpoints in DIR (and resume from it)"
     )
@@ -245,6 +247,8 @@ class ReplicateMagics(Magics):
                 ("--no-live", args.no_live),
                 ("--checkpoint", args.checkpoint),
                 ("--logdir", args.logdir),
+                ("--name", args.name),
+                ("--tags", args.tags),
                 ("--steps-per-execution", args.steps_per_execution != "auto"),
             )
             if on
@@ -386,6 +390,8 @@ class ReplicateMagics(Magics):
             logdir=args.logdir,
             cell=cell,
             namespace=self.shell.user_ns,
+            name=args.name,
+            tags=[t.strip() for t in (args.tags or "").split(",") if t.strip()],
         )
 
 

@@ -123,8 +123,12 @@ class Panel(w.VBox):
 
     def _on_event(self, event) -> None:  # on the training thread: only widget traits change
         if event.kind == "ended":
-            reason = event.data.get("reason")
-            self.status = f"{self.run.name} {event.data.get('status')} at step {event.step}" + (
+            from workbench._src.core.run_stats import shown_reason
+
+            # Said once: "stopped at step N" beside "stopped at step N" adds nothing (issue 23).
+            status = event.data.get("status")
+            reason = shown_reason(status, event.data.get("reason"))
+            self.status = f"{self.run.name} {status} at step {event.step}" + (
                 f" ({reason})" if reason else ""
             )
             self._run_button.disabled, self._stop_button.disabled = False, True
@@ -296,5 +300,6 @@ class Panel(w.VBox):
 
 
 def _status_html(text: str) -> str:
-    color = "#a33" if text.startswith("error") else "#333"
+    # The theme's colours (a fixed #333 was unreadable on the dark theme).
+    color = "var(--jp-error-color1)" if text.startswith("error") else "var(--jp-ui-font-color1)"
     return f"<span style='color:{color}'>{html.escape(text)}</span>"

@@ -220,6 +220,8 @@ def train(
     dashboard=None,
     cell: str | None = None,
     namespace: dict | None = None,
+    name: str | None = None,
+    tags=(),
 ):
     """Trains as the magic and the panel do: recorded in the run store, with a live dashboard.
 
@@ -232,6 +234,7 @@ def train(
       dashboard: an existing Dashboard sink to use instead of a new one (the panel's).
       cell, namespace: a %%replicate cell's source and the notebook namespace, for backends
         whose steps run in other processes (multi-worker): the source travels, not functions.
+      name, tags: the run's name (unique in the run store) and tags (`--name`, `--tags`).
     """
     from workbench._src.sinks import runstore
 
@@ -248,6 +251,8 @@ def train(
                 checkpoint_dir=checkpoint_dir,
                 background=background,
                 sinks=sinks,
+                name=name,
+                tags=tuple(tags or ()),
             )
             if cell is not None and repl.runs_in_processes:
                 # process backends from a notebook: the cell's source runs in every process
