@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from test_process_backends import GLOBAL_BATCH, no_orphans, regression_setup  # noqa: F401 - fixture
+from helpers import GLOBAL_BATCH, regression_setup
 
 from workbench._src.core.run_stats import figures, fmt, fmt_duration, shown_reason
 
@@ -82,7 +82,7 @@ def test_durations_and_reasons():
 
 # ----- one truth on every backend (issue 23): real runs --------------------------------------
 @pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
-def test_examples_per_step_is_the_global_batch_on_process_backends(backend, no_orphans):  # noqa: F811
+def test_examples_per_step_is_the_global_batch_on_process_backends(backend, no_orphans):
     """examples/s / steps/s = the global batch within 1%, over the same window: async-ps used to
     report 240 steps/s beside 10,436 examples/s at 64 examples a step."""
     import workbench as wb
@@ -122,3 +122,36 @@ def test_scaling_study_table_shows_each_configurations_run_figures(tmp_path):
         assert "median_step_examples_per_sec" in table and run.name.startswith(
             f"scaling weak n={n} \u00b7 mirrored \u00b7 "
         )
+
+
+def test_log_scale_loss_plot_survives_exact_zeros_and_follows_a_dark_theme(monkeypatch):
+    """A loss spanning decades that hits exactly 0 stays on a log scale (zeros left out, said in
+    the title); WORKBENCH_THEME=dark (or the sidebar's theme message) draws a dark figure."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from workbench._src.plots import run_plot
+
+    n = 200
+    loss = list(np.logspace(2, -3, n))
+    loss[-5:] = [0.0] * 5
+    columns = {
+        "step": list(range(1, n + 1)),
+        "wall_time": [0.01 * i for i in range(1, n + 1)],
+        "examples_per_sec": [1000.0] * n,
+        "examples": [16.0] * n,
+        "loss": loss,
+    }
+    plotter = run_plot.Plotter()
+    light = plotter.render(columns, "zeros")
+    ax = plotter._lines["loss"][0]
+    assert ax.get_yscale() == "log" and "values <= 0 not drawn" in ax.get_title()
+
+    def brightness(png):
+        return float(np.asarray(Image.open(io.BytesIO(png)).convert("L")).mean())
+
+    monkeypatch.setenv("WORKBENCH_THEME", "dark")
+    dark = plotter.render(columns, "zeros")
+    assert brightness(light) > 200 and brightness(dark) < 60, (brightness(light), brightness(dark))

@@ -108,6 +108,7 @@ function activate(
     if (!link) {
       const made = new KernelLink(kernel);
       made.changed.connect(() => {
+        tellTheme(made);
         notifyFor(made); // every kernel's runs, not only the active notebook's
         if (made === current) {
           refresh();
@@ -185,6 +186,24 @@ function activate(
       (s?.runs ?? []).map(r => `${r.id}:${r.ended === null ? 'open' : 'ended'}`).join(',');
     return key(after) !== key(before);
   }
+
+  /**
+   * The page's theme, told to every kernel: figures drawn there follow it (dark figures on a dark
+   * theme). JupyterLab marks the body with data-jp-theme-light; watching that attribute catches
+   * every switch without depending on the theme manager.
+   */
+  const toldDark = new Map<KernelLink, boolean>();
+  const isDark = () => document.body.dataset.jpThemeLight === 'false';
+  function tellTheme(link: KernelLink): void {
+    const dark = isDark();
+    if (link.state === 'ready' && toldDark.get(link) !== dark && link.send({ type: 'theme', dark })) {
+      toldDark.set(link, dark);
+    }
+  }
+  new MutationObserver(() => links.forEach(link => tellTheme(link))).observe(document.body, {
+    attributes: true,
+    attributeFilter: ['data-jp-theme-light']
+  });
 
   /**
    * Long runs of `link`'s kernel that ended since its last snapshot, told when their notebook is

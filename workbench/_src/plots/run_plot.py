@@ -106,10 +106,14 @@ class Plotter:
 
     def render(self, columns: dict, title: str) -> bytes:
         """PNG bytes of the figure for these columns."""
-        with _RENDER_LOCK:
+        from workbench._src.plots import theme
+
+        with _RENDER_LOCK, theme.context():
             names = metric_names(columns)[:MAX_METRIC_PANELS]
-            if self._layout != tuple(names):
+            layout = (*names, theme.key())  # a theme switch builds the figure again, in its colours
+            if self._layout != layout:
                 self._build(names)
+                self._layout = layout
             self._update(columns, names, title)
             return self._png()
 
@@ -154,12 +158,18 @@ class Plotter:
             key = "examples_per_sec" if panel == "examples/s" else panel
             y = np.asarray(columns.get(key, []), dtype=float)
             x, y = _thin(steps, y)
-            raw.set_data(x, y)
-            smooth.set_data(x, _smooth(y))
+            smoothed = _smooth(y)
             if extra is None:
-                # Losses falling by orders of magnitude read better on a log scale.
+                # Losses falling by orders of magnitude read better on a log scale. A loss of
+                # exactly 0 (a perfect fit) has no place on it: those points are left out and the
+                # title says so, rather than the whole panel falling back to linear.
                 finite = y[np.isfinite(y)]
-                log = finite.size > 1 and finite.min() > 0 and finite.max() > 100 * finite.min()
+                positive = finite[finite > 0]
+                log = positive.size > 1 and positive.max() > 100 * positive.min()
+                zeros = log and positive.size < finite.size
+                if log:
+                    y = np.where(y > 0, y, np.nan)
+                    smoothed = np.where(smoothed > 0, smoothed, np.nan)
                 if ax.get_yscale() != ("log" if log else "linear"):
                     from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
 
@@ -167,7 +177,8 @@ class Plotter:
                     # Few ticks and no minor ones: tick objects are most of a redraw's cost.
                     ax.yaxis.set_major_locator(LogLocator(numticks=5) if log else MaxNLocator(5))
                     ax.yaxis.set_minor_locator(NullLocator())
-                ax.set_title(f"{panel} (log scale)" if log else panel, fontsize=12)
+                note = " (log scale; values <= 0 not drawn)" if zeros else " (log scale)" if log else ""
+                ax.set_title(panel + note, fontsize=12 if not zeros else 10)
             else:
                 finite = y[np.isfinite(y)]
                 median = float(np.median(finite)) if finite.size else math.nan
@@ -175,6 +186,8 @@ class Plotter:
                 ax.set_title(
                     f"examples/s (median {median:,.0f}, dashed)" if finite.size else "examples/s", fontsize=11
                 )
+            raw.set_data(x, y)
+            smooth.set_data(x, smoothed)
             ax.relim()
             ax.autoscale_view()
         self._title.set_text(title)
@@ -193,7 +206,9 @@ class Plotter:
 
 def final_png(run_id: str, columns: dict, title: str) -> bytes:
     """The end-of-run figure, rendered once and shared by the run store and the dashboard."""
-    key = (run_id, len(columns.get("step", [])), title)
+    from workbench._src.plots import theme
+
+    key = (run_id, len(columns.get("step", [])), title, theme.key())
     with _RENDER_LOCK:
         if key in _final_cache:
             return _final_cache[key]

@@ -21,7 +21,9 @@ def draw(study):
     """Returns a matplotlib Figure of the study's points so far (planned x-range shown at once)."""
     import matplotlib
 
-    with matplotlib.rc_context(FONTS):
+    from workbench._src.plots import theme
+
+    with theme.context(), matplotlib.rc_context(FONTS):  # the JupyterLab theme's colours
         return _draw(study)
 
 

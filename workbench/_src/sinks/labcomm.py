@@ -17,7 +17,8 @@ throughput) and pushes it to every open comm of target TARGET as one "snapshot" 
                       {"type": "delete", "run_ids": [...]} (answered with "runs"),
                       {"type": "rename", "run_id", "name"}, {"type": "tag", "run_id", "tags": [...]}
                       (wb.rename_run / wb.tag_run; answered with "runs" and a snapshot),
-                      {"type": "export", "run_id": id, "what": "csv" | "figure"}
+                      {"type": "export", "run_id": id, "what": "csv" | "figure"},
+                      {"type": "theme", "dark": bool} (on connecting and on a theme switch)
 
 Every figure a run shows (steps, steps/s, examples/s, ETA) comes from workbench._src.core.run_stats,
 as in wb.Run.summary(), the dashboard and the run store.
@@ -163,6 +164,10 @@ def _on_msg(comm, msg) -> None:
         comm.send(_store_request(kind, data))
         if kind in ("delete", "rename", "tag"):
             _push()  # every open sidebar (other notebooks too) hears of it at once
+    elif kind == "theme":  # the page's theme: figures drawn from now on follow it
+        from workbench._src.plots import theme
+
+        theme.set_dark(bool(data.get("dark")))
     elif kind in ("refresh", "hello"):
         comm.send(snapshot())
     else:

@@ -115,7 +115,15 @@ def _row(run: _Loaded) -> dict:
 
 
 def _figure(runs: list[_Loaded]):
-    """Loss (log scale when it spans decades) and smoothed examples/s, one colour per run."""
+    """Loss (log scale when it spans decades) and smoothed examples/s, one colour per run, in the
+    JupyterLab theme's colours (dark figures on a dark theme); legends use the runs' names."""
+    from workbench._src.plots import theme
+
+    with theme.context():
+        return _draw(runs)
+
+
+def _draw(runs: list[_Loaded]):
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
