@@ -54,8 +54,10 @@ def set_runs_dir(path: str | os.PathLike | None) -> Path:
 
     Example:
       >>> import workbench as wb, tempfile
-      >>> wb.set_runs_dir(tempfile.mkdtemp()).is_dir()
+      >>> with tempfile.TemporaryDirectory() as folder:
+      ...     wb.set_runs_dir(folder).is_dir()
       True
+      >>> _ = wb.set_runs_dir(None)  # back to $WORKBENCH_RUNS_DIR or ./runs
     """
     global _override
     _override = Path(path) if path is not None else None
