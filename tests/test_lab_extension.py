@@ -220,9 +220,10 @@ def _write_notebook(path: Path) -> None:
     nb.cells = [
         nbformat.v4.new_code_cell("%load_ext workbench"),
         nbformat.v4.new_code_cell(
-            "%%replicate --backend mirrored --replicas 2 --steps 100000000 --background\n" + TOY_CELL.strip()
+            "%%replicate --backend mirrored --replicas 2 --steps 100000000 --background --name bg\n"
+            + TOY_CELL.strip()
         ),
-        nbformat.v4.new_code_cell("fg = %replicate step_fn input_fn --steps 100000000 --no-live"),
+        nbformat.v4.new_code_cell("fg = %replicate step_fn input_fn --steps 100000000 --no-live --name fg"),
         # Two finished runs of the same model (the second starts at the program's step 3001),
         # each ending with its summary: compared from the sidebar, figures checked against it.
         nbformat.v4.new_code_cell("first = %replicate step_fn input_fn --steps 3000\nfirst"),
@@ -329,8 +330,10 @@ def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> N
         page.keyboard.press("Shift+Enter")
         if index == 3:
             # Look at another tab while it trains: its end is announced (a JupyterLab notification).
-            page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="run 2 dashboard").click()
-            expect(page.get_by_text(re.compile(r"Replicator Workbench: run \d+ finished"))).to_be_visible()
+            page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="fg dashboard").click()
+            expect(
+                page.get_by_text(re.compile(r"Replicator Workbench: mirrored x2 .* finished"))
+            ).to_be_visible()
             page.screenshot(path=str(SCREENSHOTS / "notification.png"))
             page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
         expect(cell.locator(".jp-OutputArea-output tr:has(th:text-is('status')) td")).to_have_text("finished")
@@ -353,7 +356,8 @@ def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> N
         expect(card.locator(".wb-run-throughput")).to_have_text(f"{figures['examples_per_sec']} examples/s")
     expect(status).to_have_text(re.compile(rf": {re.escape(second['steps_per_sec'])} steps/s$"))
 
-    # The run store's table: pick both, Compare: one figure, one table with the same figures.
+    # The run store's table (its tab): pick both, Compare: one figure, one table, same figures.
+    sidebar.locator(".wb-tab-store").click()
     table = sidebar.locator(".wb-runs-table")
     for figures in (first, second):
         table.locator(f".wb-stored-run[data-run-id='{figures['run']}'] .wb-pick-run").check()
@@ -369,6 +373,7 @@ def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> N
         expect(row.locator("td[data-key=examples_per_sec]")).to_have_text(figures["examples_per_sec"])
     page.screenshot(path=str(SCREENSHOTS / "compare.png"))
     page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
+    sidebar.locator(".wb-tab-kernel").click()
 
     # Export the second run's history as CSV from its card: every step, counted from 1.
     card = sidebar.locator(f".wb-run[data-run-id='{second['run']}']")
@@ -459,7 +464,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 expect(stopped).to_have_count(1)
                 # No run trains: the session's replicator and the last run's steps/s.
                 expect(status).to_have_text(
-                    re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 run \d+: [\d,.]+ steps/s$")
+                    re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 bg: [\d,.]+ steps/s$")
                 )
                 assert _step(stopped) >= second
                 (record,) = (tmp_path / "runs").glob("*/config.json")
@@ -501,7 +506,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 expect(items.filter(has_text="Stop the Running Run")).to_have_count(1)
                 expect(items.filter(has_text="Open the Replicator Sidebar")).to_have_count(1)
                 items.filter(has_text="Dashboard Figure").click()
-                expect(page.locator(".lm-TabBar-tab", has_text="run 2 dashboard")).to_have_count(1)
+                expect(page.locator(".lm-TabBar-tab", has_text="fg dashboard")).to_have_count(1)
                 page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
 
                 _finished_runs_agree_and_compare(page, sidebar, status, tmp_path)
@@ -514,7 +519,9 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 cell.locator(".jp-InputPrompt").click()
                 page.keyboard.press("Shift+Enter")
                 study = sidebar.locator(".wb-study")
-                expect(study.locator(".wb-section-title")).to_have_text("Scaling study \u00b7 weak")
+                expect(study.locator(".wb-section-title")).to_have_text(
+                    re.compile(r"^Scaling study \u00b7 weak \u00b7 mirrored \u00b7 \d\d:\d\d:\d\d$")
+                )
                 expect(study.locator(".wb-study-line")).to_have_count(2)
                 for line in study.locator(".wb-study-line").all():
                     expect(line.locator(".wb-run-rate")).to_have_text(re.compile(r"^[\d,.]+ steps/s$"))
@@ -522,20 +529,23 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                         re.compile(r"^[\d,.]+ examples/s$")
                     )
                     expect(line.locator(".wb-run-median")).to_have_text(
-                        re.compile(r"^median step [\d,.]+ examples/s$")
+                        re.compile(r"^median compiled step [\d,.]+ examples/s$")
                     )
                 warmups = sidebar.locator(".wb-run", has_text="warm-up")
                 assert warmups.count() == 0, warmups.all_inner_texts()
                 study.scroll_into_view_if_needed()
                 page.screenshot(path=str(SCREENSHOTS / "sidebar-study.png"))
 
-                # The run store table: sort by steps/s (descending first), filter, delete.
+                # The run store table: sort by examples/s (descending first), filter, delete.
+                sidebar.locator(".wb-tab-store").click()
                 rows = sidebar.locator(".wb-stored-run")
                 expect(rows).to_have_count(6)  # 4 runs and 2 study configurations (warm-ups: unrecorded)
-                sidebar.locator(".wb-sort-steps_per_sec").click()
+                steps = rows.locator(".wb-col-steps").all_inner_texts()
+                assert all(re.fullmatch(r"[\d,]+", t) for t in steps), steps  # integers: "40", not "40.0"
+                sidebar.locator(".wb-sort-examples_per_sec").click()
                 shown = [
                     float(t.replace(",", ""))
-                    for t in rows.locator(".wb-col-steps_per_sec").all_inner_texts()
+                    for t in rows.locator(".wb-col-examples_per_sec").all_inner_texts()
                     if t != "\u2013"
                 ]
                 assert shown == sorted(shown, reverse=True), shown
@@ -572,3 +582,176 @@ def test_scaling_study_runs_form_one_group_in_the_sidebar():
     assert study_group("scaling strong n=2 warm-up") == ("scaling strong", True)
     assert study_group("run 3") == (None, False)
     assert study_group("warm-up") == (None, True)  # what repl.train(warmup=N) names its warm-up run
+    # Issue 23: two studies of one mode never merge (backend and start time in the group).
+    assert study_group("scaling weak n=2 \u00b7 mirrored \u00b7 14:02:33") == (
+        "scaling weak \u00b7 mirrored \u00b7 14:02:33",
+        False,
+    )
+    assert study_group("scaling weak n=2 \u00b7 mirrored \u00b7 14:02:33 (2)")[0] == (
+        "scaling weak \u00b7 mirrored \u00b7 14:02:33"
+    )
+
+
+def _write_identity_notebooks(root: Path) -> None:
+    """a.ipynb and b.ipynb: two kernels that record into one run store under the same name."""
+    build = "%%replicate --backend mirrored --replicas 2 --steps 300 --name shared\n" + TOY_CELL.strip()
+    for name, cells in (
+        (
+            "a.ipynb",
+            [
+                "%load_ext workbench",
+                build,
+                "%replicate step_fn input_fn --steps 8000 --background --no-live --name long",
+                "%replicate step_fn input_fn --steps 300 --name dark",
+            ],
+        ),
+        ("b.ipynb", ["%load_ext workbench", build]),
+    ):
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+        nbformat.write(nb, root / name)
+
+
+def _image_brightness(png: bytes) -> float:
+    """Mean grey level (0 black .. 255 white) of a screenshot."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return float(np.asarray(Image.open(io.BytesIO(png)).convert("L")).mean())
+
+
+def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_browser(tmp_path):
+    """Issue 23 in the browser: two kernels writing to one store show distinct names; rename and
+    tag from the sidebar; the compare view names the runs; delete removes the card; a long run's
+    end is announced while another notebook is the active tab; on the dark theme the figure is dark."""
+    _require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=WAIT_MS)
+    _write_identity_notebooks(tmp_path)
+    port, token = _free_port(), secrets.token_hex(16)
+    base = f"http://127.0.0.1:{port}"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    server = _start_lab(tmp_path, port, token)
+    kernels: list[int] = []
+    try:
+        _wait_for_server(f"{base}/api/status?token={token}", server, tmp_path / "jupyterlab.log")
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+            try:
+                page = browser.new_page(viewport={"width": 1440, "height": 900})
+                page.set_default_timeout(WAIT_MS)
+                visible = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell"
+
+                def tab(name):
+                    return page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=name)
+
+                # Kernel A, then kernel B: both train a run named "shared" into one store.
+                page.goto(f"{base}/lab/tree/a.ipynb?reset&token={token}")
+                expect(page.locator(visible)).to_have_count(4)
+                sidebar = page.locator(".wb-sidebar")
+                page.locator("li[data-id='replicator-workbench-sidebar']").click()
+                expect(sidebar).to_be_visible()
+                _run_cell(page, 0)
+                expect(sidebar).to_have_attribute("data-state", "ready")
+                _run_cell(page, 1)
+                expect(
+                    page.locator(visible).nth(1).locator(".jp-OutputArea-output img").first
+                ).to_be_visible()
+                page.goto(f"{base}/lab/tree/b.ipynb?token={token}")
+                expect(page.locator(visible)).to_have_count(2)
+                if not sidebar.is_visible():
+                    page.locator("li[data-id='replicator-workbench-sidebar']").click()
+                _run_cell(page, 0)
+                expect(sidebar).to_have_attribute("data-state", "ready")
+                _run_cell(page, 1)
+                expect(
+                    page.locator(visible).nth(1).locator(".jp-OutputArea-output img").first
+                ).to_be_visible()
+                kernels = _children(server.pid)
+                expect(sidebar.locator(".wb-run .wb-run-name")).to_have_text(["shared (2)"])
+
+                # The run store tab: both runs, told apart by name; the table fits the sidebar.
+                sidebar.locator(".wb-tab-store").click()
+                rows = sidebar.locator(".wb-stored-run")
+                expect(rows.locator(".wb-stored-name")).to_have_text(["shared (2)", "shared"])
+                table = sidebar.locator(".wb-runs-table")
+                assert table.evaluate("t => t.scrollWidth <= t.parentElement.clientWidth + 1"), (
+                    "table overflows"
+                )
+                page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
+
+                # Rename and tag the second from the sidebar (JupyterLab's input dialogs).
+                mine = rows.filter(has_text="shared (2)")
+                run_b = mine.get_attribute("data-run-id")
+                mine.locator(".wb-pick-run").check()
+                sidebar.locator(".wb-rename").click()
+                page.locator(".jp-Dialog input").fill("from b")
+                page.locator(".jp-Dialog .jp-mod-accept").click()
+                renamed = sidebar.locator(f".wb-stored-run[data-run-id='{run_b}']")
+                expect(renamed.locator(".wb-stored-name")).to_have_text("from b")
+                sidebar.locator(".wb-tag").click()
+                page.locator(".jp-Dialog input").fill("best, lr-sweep")
+                page.locator(".jp-Dialog .jp-mod-accept").click()
+                expect(renamed.locator(".wb-stored-details")).to_contain_text("#best #lr-sweep")
+                sidebar.locator(".wb-filter-text").fill("lr-sweep")
+                expect(rows).to_have_count(1)
+                sidebar.locator(".wb-filter-text").fill("")
+                page.screenshot(path=str(SCREENSHOTS / "identity-renamed-tagged.png"))
+
+                # Compare both: the view names them as the store does.
+                rows.filter(has_text="shared").filter(has_not_text="from b").locator(".wb-pick-run").check()
+                sidebar.locator(".wb-compare").click()
+                view = page.locator(".wb-compare-view")
+                expect(view.locator("img")).to_be_visible()
+                expect(view.locator(f"tr[data-run-id='{run_b}'] td").first).to_have_text("from b")
+                expect(view.locator("tr[data-run-id] td:first-child")).to_have_text(["shared", "from b"])
+                page.screenshot(path=str(SCREENSHOTS / "identity-compare.png"))
+                tab("b.ipynb").click()
+
+                # Delete the renamed run: its card leaves this kernel's tab at once.
+                for box in rows.locator(".wb-pick-run:checked").all():
+                    box.uncheck()
+                renamed.locator(".wb-pick-run").check()
+                sidebar.locator(".wb-delete").click()
+                page.locator(".jp-Dialog .jp-mod-warn").click()
+                expect(rows).to_have_count(1)
+                sidebar.locator(".wb-tab-kernel").click()
+                expect(sidebar.locator(f".wb-run[data-run-id='{run_b}']")).to_have_count(0)
+
+                # A long background run in A ends while B is the active tab: announced.
+                tab("a.ipynb").click()
+                _run_cell(page, 2)
+                expect(sidebar.locator(".wb-run[data-status=running]")).to_have_count(1)
+                tab("b.ipynb").click()
+                expect(page.get_by_text(re.compile(r"Replicator Workbench: long finished"))).to_be_visible()
+                page.screenshot(path=str(SCREENSHOTS / "identity-notification-other-notebook.png"))
+
+                # The dark theme: the next run's figure is dark too.
+                page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+                page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
+                page.locator(".lm-Menu-itemLabel", has_text="JupyterLab Dark").click()
+                expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
+                tab("a.ipynb").click()
+                page.wait_for_timeout(500)  # the theme message reaches the kernel
+                _run_cell(page, 3)
+                figure = page.locator(visible).nth(3).locator(".jp-OutputArea-output img").first
+                expect(figure).to_be_visible()
+                figure.scroll_into_view_if_needed()
+                brightness = _image_brightness(figure.screenshot())
+                page.screenshot(path=str(SCREENSHOTS / "identity-dark-theme.png"))
+                assert brightness < 80, (
+                    f"the figure is not dark on the dark theme (mean grey {brightness:.0f})"
+                )
+            finally:
+                browser.close()
+    finally:
+        _kill(kernels)
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()

@@ -236,7 +236,13 @@ def test_runs_have_identity_and_configuration_columns(runs_dir, toy):
                    "ps", "global_batch", "steps", "steps_per_execution", "lr", "optimizer"):  # fmt: skip
         assert column in table.reset_index().columns, column
     row = table.loc[a.id]
-    assert (row["name"], row["backend"], row["replicas"], row["workers"], row["ps"]) == (a.name, "mirrored", 2, 1, 0)
+    assert (row["name"], row["backend"], row["replicas"], row["workers"], row["ps"]) == (
+        a.name,
+        "mirrored",
+        2,
+        1,
+        0,
+    )
     assert (row["global_batch"], row["steps"], row["steps_per_execution"]) == (16, 30, 10)
     assert (row["tags"], row["lr"], row["optimizer"]) == ("baseline", 0.05, "sgd")
     assert table.loc[b.id, "name"] == b.name and table["name"].is_unique
@@ -275,7 +281,9 @@ def test_rename_and_tag_runs(runs_dir, toy):
     assert wb.tag_run(b.id, "sweep", "lr") == ["sweep", "lr"] and b.tags == ["sweep", "lr"]
     assert wb.tag_run(b, "best") == ["sweep", "lr", "best"]
     assert wb.tag_run(b, "only", replace=True) == ["only"]
-    with pytest.raises(wb.ConfigurationError, match=r"a tag is a non-empty string without commas; received 'a,b'"):
+    with pytest.raises(
+        wb.ConfigurationError, match=r"a tag is a non-empty string without commas; received 'a,b'"
+    ):
         wb.tag_run(b, "a,b")
     table = wb.runs().set_index("id")
     assert table.loc[a.id, "name"] == "baseline lr=0.05" and table.loc[b.id, "tags"] == "only"
