@@ -2,11 +2,13 @@
 distribute tests do with set_logical_devices_to_at_least), so multi-replica tests run anywhere."""
 
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("WORKBENCH_RUNS_DIR", os.path.join(os.path.dirname(__file__), "..", "runs", "tests"))
 
 import pytest  # noqa: E402
+from helpers import adopt_orphans, cluster_processes  # noqa: E402
 from toy_models import toy_data  # noqa: E402
 
 import workbench as wb  # noqa: E402
@@ -25,3 +27,32 @@ def pytest_sessionfinish(session, exitstatus):
     from workbench._src.core import reaper
 
     reaper.exit_code_hint = int(exitstatus)
+
+
+@pytest.fixture
+def no_orphans():
+    adopt_orphans(True)
+    before = {line.split()[0] for line in cluster_processes()}
+
+    def left_behind() -> list[str]:
+        return [line for line in cluster_processes() if line.split()[0] not in before]
+
+    yield
+    deadline = time.monotonic() + 10
+    while left_behind() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        assert not left_behind(), f"processes left behind: {left_behind()}"
+    finally:
+        adopt_orphans(False)
+
+
+@pytest.fixture
+def notebook(tmp_path):
+    from notebook_toy import ipython_shell, isolated_notebook_state
+
+    shell = ipython_shell()
+    with isolated_notebook_state(tmp_path / "runs"):
+        for name in ("model", "step_fn", "input_fn", "repl"):
+            shell.user_ns.pop(name, None)
+        yield shell

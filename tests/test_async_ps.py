@@ -16,11 +16,10 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_network_isolation import connect_error, host_addresses
-from test_process_backends import (  # noqa: F401 - no_orphans is an autouse fixture
+from helpers import (
     PROCESS_CELL,
-    no_orphans,
-    notebook,
+    connect_error,
+    host_addresses,
     process_pid,
     regression_input_fn,
     regression_model_and_step,
@@ -29,6 +28,8 @@ from test_process_backends import (  # noqa: F401 - no_orphans is an autouse fix
 )
 
 import workbench as wb
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
 
 
 def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():

@@ -128,10 +128,10 @@ def test_saver_resumes_only_when_asked(tmp_path):
     model2, _, step_fn2, input_fn2 = _setup(fresh, seed=9)
     program = fresh._program(step_fn2, input_fn2)
     items = {"model": model2}
-    assert Saver(fresh, program, tmp_path, items, resume=False).restore_if_any() is None
+    assert Saver(program, tmp_path, items, resume=False).restore_if_any() is None
     assert program.steps_done == 0
     assert not np.array_equal(model2.get_weights()[0], saved[0])
-    assert Saver(fresh, program, tmp_path, items, resume=True).restore_if_any() == 5
+    assert Saver(program, tmp_path, items, resume=True).restore_if_any() == 5
     assert program.steps_done == 5
     np.testing.assert_array_equal(model2.get_weights()[0], saved[0])
 

@@ -1,32 +1,45 @@
-"""One conformance suite for every in-process backend: primitives, wrap_optimizer equivalence
-with one device on the global batch, outputs, placement. Missing hardware skips (TPU)."""
+"""One conformance suite for every backend (tests/backends.py): a cell trains to one device's
+weights on all of them, worker processes included; in-process backends also check primitives,
+wrap_optimizer equivalence with one device on the global batch, outputs, placement. Missing
+hardware skips (TPU)."""
 
+import backends
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import regression_input_fn, regression_model_and_step
 from toy_models import make_mlp, toy_data
 
 import workbench as wb
 
-BACKENDS = [
-    pytest.param(("single", None), id="single"),
-    pytest.param(("mirrored", 2), id="mirrored-2"),
-    pytest.param(("mirrored", 4), id="mirrored-4"),
-    pytest.param(("mirrored", 8), id="mirrored-8"),
-    pytest.param(("tpu", None), id="tpu"),
-]
 GLOBAL_BATCH = 32
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=backends.IN_PROCESS)
 def repl(request):
-    name, replicas = request.param
-    if name == "tpu":
-        try:
-            return wb.TpuReplicator()
-        except wb.TpuUnavailableError as e:
-            pytest.skip(f"no TPU here: {str(e)[:80]}")
-    return wb.replicator(name, num_replicas=replicas)
+    return backends.make(*request.param)
+
+
+REGRESSION_CELL = "model, step_fn = regression_model_and_step(repl, lr=0.1)\ninput_fn = regression_input_fn"
+
+
+@pytest.mark.parametrize("backend", backends.ALL)
+def test_a_cell_trains_to_the_one_device_weights_on_every_backend(backend, no_orphans):
+    """The same %%replicate cell on every backend, processes included: the weights that come back
+    into the cell's model equal one device's on the global batch."""
+
+    def train(repl):
+        namespace = {
+            "regression_model_and_step": regression_model_and_step,
+            "regression_input_fn": regression_input_fn,
+        }
+        run = repl.train_cell(REGRESSION_CELL, namespace, steps=3, steps_per_execution=1)
+        assert run.status == "finished" and list(run.history["step"]) == [1, 2, 3]
+        return namespace["model"].get_weights()
+
+    expected = train(wb.NonReplicator())
+    for got, want in zip(train(backends.make(*backend)), expected):
+        np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def constant_input(ctx):

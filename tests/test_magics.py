@@ -184,10 +184,13 @@ class FakeProcessBackend:
 
 
 def test_workers_and_ps_route_through_wb_replicator_when_the_backend_exists(ip, monkeypatch):
+    import dataclasses
+
     from workbench._src.backends import BACKENDS
 
-    monkeypatch.setitem(BACKENDS, "multi-worker", (__name__, "FakeProcessBackend", "test"))
-    monkeypatch.setitem(BACKENDS, "async-ps", (__name__, "FakeProcessBackend", "test"))
+    for name in ("multi-worker", "async-ps"):
+        fake = dataclasses.replace(BACKENDS[name], cls=f"{__name__}:FakeProcessBackend")
+        monkeypatch.setitem(BACKENDS, name, fake)
     assert magic(ip, "--backend multi-worker --workers 3").received == {
         "num_replicas": None,
         "num_workers": 3,

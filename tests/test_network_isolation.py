@@ -17,41 +17,14 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from multiprocessing.connection import Client
+
+from helpers import connect_error, host_addresses, wait_for
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 PROBE_ENV = {"PYTHONPATH": TESTS}
 SERVER_MODULE = "workbench._src.launch.server_main"
 WORKER_MODULE = "workbench._src.launch.worker_main"
-
-
-def host_addresses() -> list[str]:
-    """This machine's own non-loopback IPv4 addresses (where an outsider would connect)."""
-    import psutil
-
-    found = []
-    for addresses in psutil.net_if_addrs().values():
-        for a in addresses:
-            if a.family == socket.AF_INET and not a.address.startswith("127."):
-                found.append(a.address)
-    return found
-
-
-def connect_error(host: str, port: int) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(2)
-        return s.connect_ex((host, port))
-
-
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def assert_unreachable_from_host(group, ports: list[int]) -> None:

@@ -17,77 +17,27 @@ import time
 
 import cloudpickle
 import numpy as np
-import psutil
 import pytest
 import tensorflow as tf
+from helpers import (
+    GLOBAL_BATCH,
+    PROCESS_CELL,
+    X,
+    Y,
+    make_model,
+    process_pid,
+    regression_input_fn,
+    regression_setup,
+    wait_for_steps,
+)
 from IPython.core.error import UsageError
 
 import workbench as wb
 
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
 # Functions defined here travel to the workers by value (the workers cannot import tests/).
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-CLUSTER_MODULES = ("workbench._src.launch.worker_main", "workbench._src.launch.server_main")
-RNG = np.random.RandomState(0)
-X = RNG.randn(64, 8).astype("float32")
-Y = RNG.randn(64, 1).astype("float32")
-W0 = RNG.randn(8, 1).astype("float32") * 0.1
-GLOBAL_BATCH = 16
-
-
-def cluster_processes() -> list[str]:
-    """This process's descendants running a workbench worker or server module (zombies excluded),
-    as "pid status args" lines. Only what this test process started is looked at: other workbench
-    users on the machine (another test run, a training job) must not make these checks fail."""
-    found = []
-    for process in psutil.Process().children(recursive=True):
-        try:
-            status, args = process.status(), " ".join(process.cmdline())
-        except psutil.Error:  # ended meanwhile
-            continue
-        if status != psutil.STATUS_ZOMBIE and any(m in args for m in CLUSTER_MODULES):
-            found.append(f"{process.pid} {status} {args}")
-    return found
-
-
-def _adopt_orphans(on: bool) -> None:
-    """Linux PR_SET_CHILD_SUBREAPER: a descendant whose parent died (a `workbench run` child, a
-    killed kernel script) is re-parented to this process instead of init, so a worker it left
-    behind is still among our descendants for cluster_processes."""
-    import ctypes
-
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)
-
-
-@pytest.fixture(autouse=True)
-def no_orphans():
-    _adopt_orphans(True)
-    before = {line.split()[0] for line in cluster_processes()}
-
-    def left_behind() -> list[str]:
-        return [line for line in cluster_processes() if line.split()[0] not in before]
-
-    yield
-    deadline = time.monotonic() + 10
-    while left_behind() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    try:
-        assert not left_behind(), f"processes left behind: {left_behind()}"
-    finally:
-        _adopt_orphans(False)
-
-
-def make_model():
-    import keras
-
-    return keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(W0))]
-    )
-
-
-def regression_input_fn(ctx):
-    return tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(GLOBAL_BATCH)
 
 
 def train_regression(repl, optimizer_name: str, steps: int):
@@ -176,34 +126,6 @@ def test_multi_worker_conformance_matches_one_device():
         np.testing.assert_allclose(r["adam"][1], adam_losses, atol=1e-5)
 
 
-def regression_model_and_step(repl, lr=0.05):
-    """The regression model and an SGD step_fn for it (call inside repl.context())."""
-    import keras
-
-    model = make_model()
-    opt = repl.wrap_optimizer(keras.optimizers.SGD(lr))
-
-    def step_fn(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - y) ** 2)
-        opt.minimize(loss, model.trainable_variables, tape=tape)
-        return {"loss": loss}
-
-    return model, step_fn
-
-
-def regression_setup(repl):
-    _, step_fn = regression_model_and_step(repl)
-    return step_fn, regression_input_fn
-
-
-def wait_for_steps(run, steps, timeout=120):
-    deadline = time.monotonic() + timeout
-    while run.steps < steps and run.running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert run.steps >= steps, f"run reached only step {run.steps}: {run.status} {run.stop_reason}"
-
-
 def test_multi_worker_interrupt_stops_every_worker_at_one_step():
     repl = wb.MultiWorkerReplicator(num_workers=2)
     events = []
@@ -231,11 +153,6 @@ def start_background_run(repl, steps=1_000_000):
     run = repl.train(setup=regression_setup, steps=steps, background=True)
     wait_for_steps(run, 10)
     return run
-
-
-def process_pid(run, role: str, index: int) -> int:
-    """The pid of a process the run started (run.processes), never a scan of the machine."""
-    return next(p["pid"] for p in run.processes if p["role"] == role and p["index"] == index)
 
 
 def test_multi_worker_killed_worker_stops_the_run_with_its_name():
@@ -405,38 +322,6 @@ def test_killed_kernel_leaves_no_processes(tmp_path):
 
 
 # ----- from a notebook: the %%replicate cell ------------------------------------------------------
-PROCESS_CELL = """
-import keras
-import numpy as np
-import tensorflow as tf
-
-model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
-optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
-features = np.random.RandomState(1).randn(256, 8).astype("float32")
-targets = features @ np.linspace(-1, 1, 8, dtype="float32")[:, None]
-
-def input_fn(ctx):
-    return tf.data.Dataset.from_tensor_slices((features, targets)).repeat().batch(32)
-
-def step_fn(x, y):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean((model(x) - y) ** 2)
-    optimizer.minimize(loss, model.trainable_variables, tape=tape)
-    return {"loss": loss}
-"""
-
-
-@pytest.fixture
-def notebook(tmp_path):
-    from notebook_toy import ipython_shell, isolated_notebook_state
-
-    shell = ipython_shell()
-    with isolated_notebook_state(tmp_path / "runs"):
-        for name in ("model", "step_fn", "input_fn", "repl"):
-            shell.user_ns.pop(name, None)
-        yield shell
-
-
 def test_replicate_cell_on_multi_worker_trains_in_workers_and_returns_the_weights(notebook):
     run = notebook.run_cell_magic(
         "replicate", "--backend multi-worker --workers 2 --steps 150 --no-live", PROCESS_CELL

@@ -108,11 +108,11 @@ class CoordinatorExecutor:
 
         threading.Thread(target=fetch, name="workbench fetch", daemon=True).start()
         while not fetched.wait(0.1):
-            self.repl._check_servers(self.run)
+            self._check_servers()
         # And once per chunk however fast it returned: a worker that died while every fetch
         # came back within the poll (the coordinator re-ran its closures elsewhere) is still
         # reported, at the step it was noticed, not never.
-        self.repl._check_servers(self.run)
+        self._check_servers()
         if "error" in box:
             return self._lost_or_raise(box["error"])
         rows, done = box["value"]
@@ -122,10 +122,10 @@ class CoordinatorExecutor:
         return np.asarray(rows)[:done], done
 
     def _lost_or_raise(self, error):
-        self.repl._check_servers(self.run)  # a dead server explains a fetch failure best
+        self._check_servers()  # a dead server explains a fetch failure best
         t = tf()
         lost = (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)
-        if isinstance(error, lost) and self.repl.group is not None:
+        if isinstance(error, lost) and self.repl.servers is not None:
             # Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
             # mid-transfer can still fail like this. The PS and a worker are alive (checked above).
             return None
@@ -137,6 +137,10 @@ class CoordinatorExecutor:
     def extra_columns(self) -> dict:
         return {"workers": self.repl.live_workers()}
 
+    def _check_servers(self) -> None:
+        if self.repl.servers is not None:  # (a real cluster's servers are not ours to watch)
+            self.repl.servers.check(self.run)
+
     def explain(self, error: BaseException) -> BaseException:
         """A failure while a server is dying (e.g. during a checkpoint save) is the server's death."""
         if isinstance(error, WorkerError):
@@ -144,7 +148,7 @@ class CoordinatorExecutor:
         deadline = time.monotonic() + 2.0  # the exit status of a killed server takes a moment
         while time.monotonic() < deadline:
             try:
-                self.repl._check_servers(self.run)
+                self._check_servers()
             except WorkerError as dead:
                 return dead
             time.sleep(0.1)
@@ -152,7 +156,7 @@ class CoordinatorExecutor:
 
     def healthy(self) -> bool:
         try:
-            self.repl._check_servers(self.run)  # (a worker lost in the last chunk is reported)
+            self._check_servers()  # (a worker lost in the last chunk is reported)
         except WorkerError:
             return False
         return True

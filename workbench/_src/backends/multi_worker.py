@@ -3,8 +3,9 @@
 TF2's multi-worker training is multi-client: every worker process runs the same program and the
 collectives meet in the middle. In a worker (one the workbench launched, or any process given
 `cluster=`), this is a replicator over MultiWorkerMirroredStrategy like any other backend. In a
-notebook with no cluster given, it is remote: its Launcher (launch/launcher.py) starts
-`num_workers` local worker processes, each of which builds this same class in-cluster.
+notebook with no cluster given, the constructor returns the backend's notebook face, a
+RemoteReplicator (backends/remote.py) whose plan (`MultiWorkerPlan`) starts `num_workers` local
+worker processes, each of which builds this same class in-cluster.
 
 How work reaches the workers (see docs/design-decisions.md and launch/shipping.py): a
 `%%replicate` cell's source, or functions pickled by value (`repl.train(setup=build)`, or
@@ -14,15 +15,88 @@ come back at the end.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import tempfile
 
+from workbench._src.backends.remote import LaunchPlan, ProcessBackend
+from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
-from workbench._src.core.replicator import Replicator
 from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
+from workbench._src.launch.launcher import Task
+from workbench._src.launch.processes import free_ports
 
 
-class MultiWorkerReplicator(Replicator):
+@dataclasses.dataclass
+class MultiWorkerPlan(LaunchPlan):
+    """A local multi-worker run: `num_workers` worker processes on 127.0.0.1, worker 0 the chief."""
+
+    num_workers: int = 2
+    devices_per_worker: int | None = None
+    startup_timeout: float = 120.0
+    heartbeat_timeout: float = 10.0
+    threads_per_worker: int | None = None
+
+    def __post_init__(self):
+        check_positive_int("num_workers", self.num_workers)
+        if self.devices_per_worker is not None:
+            check_positive_int("devices_per_worker", self.devices_per_worker)
+        self.devices_per_worker = self.devices_per_worker or 1
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_workers * self.devices_per_worker
+
+    def describe(self) -> dict:
+        return {
+            "backend": MultiWorkerReplicator.backend,
+            "num_replicas": self.num_replicas,
+            "num_workers": self.num_workers,
+            "devices_per_worker": self.devices_per_worker,
+            "synchronous": True,
+        }
+
+    def tasks(self) -> list[Task]:
+        cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(self.num_workers)]}
+        options = {"devices_per_worker": self.devices_per_worker}
+        return [
+            Task(
+                "worker",
+                i,
+                {
+                    **runtime.backend_env(MultiWorkerReplicator.backend, options),
+                    "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+                    **self._device_env(i),
+                },
+            )
+            for i in range(self.num_workers)
+        ]
+
+    def _device_env(self, index: int) -> dict:
+        env = {"WORKBENCH_WORKER_DEVICES": str(self.devices_per_worker)}
+        if self.threads_per_worker:
+            env["WORKBENCH_WORKER_THREADS"] = str(self.threads_per_worker)
+        gpus = tf().config.list_physical_devices("GPU")
+        if gpus:
+            if len(gpus) < self.num_replicas:
+                raise ConfigurationError(
+                    f"{self.num_workers} workers x {self.devices_per_worker} GPU(s) need "
+                    f"{self.num_replicas} GPUs; this machine has {len(gpus)}."
+                )
+            first = index * self.devices_per_worker
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + j) for j in range(self.devices_per_worker))
+        else:
+            if self.devices_per_worker != 1:
+                raise ConfigurationError(
+                    f"devices_per_worker={self.devices_per_worker} needs GPUs; without them each "
+                    "worker runs one CPU replica. Fix: devices_per_worker=1 and more workers."
+                )
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+
+class MultiWorkerReplicator(ProcessBackend):
     """Synchronous replicas in several worker processes, all-reducing over TensorFlow's gRPC runtime.
 
     Args:
@@ -44,6 +118,7 @@ class MultiWorkerReplicator(Replicator):
     """
 
     backend = "multi-worker"
+    Plan = MultiWorkerPlan
 
     def __init__(
         self,
@@ -57,25 +132,14 @@ class MultiWorkerReplicator(Replicator):
         **input_options,
     ):
         super().__init__(**input_options)
-        check_positive_int("num_workers", num_workers)
-        if devices_per_worker is not None:
-            check_positive_int("devices_per_worker", devices_per_worker)
-        from workbench._src.core.cluster_resolver import cluster_resolver
-
-        self._resolver = cluster_resolver(cluster) if cluster is not None else None
-        self._num_workers = num_workers
-        self.devices_per_worker = devices_per_worker or 1
-        self.startup_timeout = startup_timeout
-        self.heartbeat_timeout = heartbeat_timeout
-        self.threads_per_worker = threads_per_worker
+        self.plan = MultiWorkerPlan(
+            num_workers, devices_per_worker, startup_timeout, heartbeat_timeout, threads_per_worker
+        )
+        self.devices_per_worker = self.plan.devices_per_worker
+        # A launched worker reads TF_CONFIG, checked as the user's would be.
+        self._resolver = cluster_resolver("TF_CONFIG" if cluster is None else cluster)
         self._agree_fn = None
         self._scratch = None  # a non-chief worker's checkpoint folder
-        if cluster is None and not runtime.is_launched():
-            from workbench._src.launch.launcher import Launcher
-
-            self._launcher = Launcher(
-                self, startup_timeout=startup_timeout, heartbeat_timeout=heartbeat_timeout
-            )
 
     @classmethod
     def from_replicas(cls, num_replicas=None, num_workers=None, devices_per_worker=None, **kwargs):
@@ -95,31 +159,15 @@ class MultiWorkerReplicator(Replicator):
     # ----- the cluster ------------------------------------------------------------------------
     @property
     def num_workers(self) -> int:
-        if self._launcher is not None:
-            return self._num_workers
-        spec = self._resolver_or_default().cluster_spec().as_dict()
+        spec = self._resolver.cluster_spec().as_dict()
         return len(spec.get("worker", [])) + len(spec.get("chief", []))
 
     @property
     def worker_id(self) -> int:
-        if self._launcher is not None:
+        if self._resolver.task_type == "chief":
             return 0
-        resolver = self._resolver_or_default()
-        if resolver.task_type == "chief":
-            return 0
-        has_chief = "chief" in resolver.cluster_spec().as_dict()
-        return int(resolver.task_id) + (1 if has_chief else 0)
-
-    @property
-    def num_replicas(self) -> int:
-        if self._launcher is not None:
-            return self._num_workers * self.devices_per_worker
-        return self.strategy.num_replicas_in_sync
-
-    @property
-    def in_cluster(self) -> bool:
-        """True inside a worker (or a process given `cluster=`): the strategy runs here."""
-        return self._launcher is None
+        has_chief = "chief" in self._resolver.cluster_spec().as_dict()
+        return int(self._resolver.task_id) + (1 if has_chief else 0)
 
     def describe(self) -> dict:
         return {
@@ -130,28 +178,20 @@ class MultiWorkerReplicator(Replicator):
             "synchronous": True,
         }
 
-    def _resolver_or_default(self):
-        if self._resolver is None:  # a launched worker: TF_CONFIG, checked as the user's would be
-            from workbench._src.core.cluster_resolver import cluster_resolver
-
-            self._resolver = cluster_resolver("TF_CONFIG")
-        return self._resolver
-
     def _make_strategy(self):
         t = tf()
         options = t.distribute.experimental.CommunicationOptions(
             implementation=t.distribute.experimental.CommunicationImplementation.RING
         )
-        resolver = self._resolver_or_default()
         if not runtime.is_launched():
             # TensorFlow's join waits forever for a peer that never starts, holding the
             # interpreter; so wait here, where a timeout can still raise, until every peer
             # listens. (Local launches have the launcher's own deadline instead.)
             from workbench._src.launch.join_watchdog import wait_for_peers
 
-            wait_for_peers(resolver, self.startup_timeout)
+            wait_for_peers(self._resolver, self.plan.startup_timeout)
         return t.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=resolver, communication_options=options
+            cluster_resolver=self._resolver, communication_options=options
         )
 
     def _agree_on_chunk(self, steps: int, stop: bool) -> tuple[int, bool]:
@@ -182,57 +222,8 @@ class MultiWorkerReplicator(Replicator):
             return self._scratch.name
         return directory
 
-    def _close_launched_process(self) -> None:
+    def close_launched_process(self) -> None:
         """Called by worker_main before the process exits hard: removes the scratch folder."""
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None
-
-    # ----- what the launcher asks ---------------------------------------------------------------
-    def _launch_plan(self):
-        """The local processes of a run: `num_workers` workers on 127.0.0.1, worker 0 the chief."""
-        import json
-
-        from workbench._src.launch.launcher import Task
-        from workbench._src.launch.processes import free_ports
-
-        ports = free_ports(self._num_workers)
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-        options = {"devices_per_worker": self.devices_per_worker}
-        return [
-            Task(
-                "worker",
-                i,
-                {
-                    **runtime.backend_env(self.backend, options),
-                    "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                    **self._worker_device_env(i),
-                },
-            )
-            for i in range(self._num_workers)
-        ]
-
-    def _options_for_processes(self) -> dict:
-        return {"input_replication": self.input_replication, "input_split_fn": self.input_split_fn}
-
-    def _worker_device_env(self, index: int) -> dict:
-        env = {"WORKBENCH_WORKER_DEVICES": str(self.devices_per_worker)}
-        if self.threads_per_worker:
-            env["WORKBENCH_WORKER_THREADS"] = str(self.threads_per_worker)
-        gpus = tf().config.list_physical_devices("GPU")
-        if gpus:
-            if len(gpus) < self._num_workers * self.devices_per_worker:
-                raise ConfigurationError(
-                    f"{self._num_workers} workers x {self.devices_per_worker} GPU(s) need "
-                    f"{self._num_workers * self.devices_per_worker} GPUs; this machine has {len(gpus)}."
-                )
-            first = index * self.devices_per_worker
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + j) for j in range(self.devices_per_worker))
-        else:
-            if self.devices_per_worker != 1:
-                raise ConfigurationError(
-                    f"devices_per_worker={self.devices_per_worker} needs GPUs; without them each "
-                    "worker runs one CPU replica. Fix: devices_per_worker=1 and more workers."
-                )
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        return env

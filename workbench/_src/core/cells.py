@@ -58,6 +58,30 @@ def functions_defined(namespace: dict, where: str = "The %%replicate cell"):
     return namespace["step_fn"], namespace["input_fn"]
 
 
+def functions_from_setup(built):
+    """(step_fn, input_fn) from what setup(repl) returned."""
+    from workbench._src.core.errors import ConfigurationError
+
+    if isinstance(built, dict) and "step_fn" in built and "input_fn" in built:
+        return built["step_fn"], built["input_fn"]
+    if isinstance(built, (tuple, list)) and len(built) == 2:
+        return tuple(built)
+    raise ConfigurationError(
+        "setup(repl) must return (step_fn, input_fn) or {'step_fn': ..., 'input_fn': ...}; "
+        f"received {type(built).__name__}: {built!r:.80}."
+    )
+
+
+def build_cell(repl, source, namespace: dict, filename: str = CELL_FILENAME):
+    """The cell recipe, written once: runs a cell's (or a script's) source inside repl.context()
+    with `repl` bound (unless the namespace has its own), and returns the (step_fn, input_fn)
+    it defined."""
+    namespace.setdefault("repl", repl)
+    with repl.context():
+        execute_source(source, namespace, filename)
+    return functions_defined(namespace, where=filename)
+
+
 _ledgers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 STOP_TIMEOUT_S = 60.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 
+from workbench._src import compat
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import tf
 
@@ -38,25 +39,25 @@ class Saver:
     """tf.train.CheckpointManager over the run's trackables (top level) plus the exact step count.
 
     Args:
-      replicator, program: the run's replicator and compiled program (its steps_done is saved).
-      directory: checkpoint_dir.
-      items: a dict of trackables, a tf.train.Checkpoint, or None (the variables created in
-        repl.context(), saved as `variables`).
+      program: the run's compiled program (its steps_done is saved and restored).
+      directory: checkpoint_dir: restored from, and written to unless write_directory differs.
+      items: the trackables to save by name (`named_items`).
       resume: restore_if_any() restores the latest checkpoint in `directory` only when True.
+      write_directory: where this process writes (multi-worker: every worker saves, as the save
+        is collective, but only the chief's copy is kept; every worker restores from `directory`).
     """
 
-    def __init__(self, replicator, program, directory, items, resume: bool = True):
+    def __init__(self, program, directory, items: dict, resume: bool = True, write_directory=None):
         t = tf()
         self.directory = os.fspath(directory)
-        # Under multi-worker every worker saves (the save is collective) but only the chief's
-        # copy is kept; every worker restores from the chief's directory.
-        write_directory = replicator._checkpoint_write_directory(self.directory)
         self.program = program
         self.resume = bool(resume)
-        self.items = named_items(replicator, items)
+        self.items = items
         self.step = t.Variable(0, dtype=t.int64, trainable=False)
         self.step_checkpoint = t.train.Checkpoint(**self.items, **{STEP: self.step})
-        self.manager = t.train.CheckpointManager(self.step_checkpoint, write_directory, max_to_keep=3)
+        self.manager = t.train.CheckpointManager(
+            self.step_checkpoint, os.fspath(write_directory or directory), max_to_keep=3
+        )
 
     def restore_if_any(self) -> int | None:
         """Restores the latest checkpoint (either layout) when resume=True and this program has not
@@ -83,7 +84,7 @@ def named_items(replicator, items) -> dict:
         return {DEFAULT_NAME: list(replicator._created_variables)}
     if isinstance(items, tf().train.Checkpoint):
         # Its own children (what it was built with), without its private save counter.
-        items = {k: v for k, v in items._trackable_children().items() if k != "save_counter"}
+        items = {k: v for k, v in compat.checkpoint_children(items).items() if k != "save_counter"}
     if not isinstance(items, dict):
         raise ConfigurationError(
             "checkpoint must be a dict of trackables, e.g. {'model': model, 'optimizer': opt}, or a "

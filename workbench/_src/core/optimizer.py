@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 
+from workbench._src import compat
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import tf
 
@@ -119,7 +120,7 @@ class ReplicatedOptimizer:
         if not clips:
             return [g / n for g in grads]  # Keras's SUM all-reduce then yields the mean
         grads = self._replicator.all_reduce(grads, "mean")
-        grads = opt._clip_gradients(grads)  # noqa: SLF001 - the optimizer's own clipping rule
+        grads = compat.keras_clip_gradients(opt, grads)  # the optimizer's own clipping rule
         return [g / n for g in grads]
 
     def _build_if_needed(self, variables):
@@ -173,7 +174,7 @@ def _refuse_second_wrap(optimizer) -> None:
 def _created_in_scope(strategy, variable) -> bool:
     """strategy.extended.variable_created_in_scope for tf and Keras 3 variables (True if unknown)."""
     inner = variable
-    if not isinstance(variable, (tf().Variable,)) and hasattr(variable, "_value"):  # a keras.Variable
+    if not isinstance(variable, tf().Variable) and isinstance(variable, _keras_variable()):
         inner = getattr(variable, "value", variable)
     try:
         return bool(strategy.extended.variable_created_in_scope(inner))
@@ -231,3 +232,9 @@ def _quiet_expected_coordinator_log() -> None:
 def _keep_record(record) -> bool:
     """The tensorflow logger's filter: drop only our expected optimizer-build request."""
     return not _is_expected_build_request(record)
+
+
+def _keras_variable():
+    import keras
+
+    return keras.Variable

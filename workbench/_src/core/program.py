@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from workbench._src import compat
 from workbench._src.core import reaper
 from workbench._src.core.errors import InputError, StepFunctionError, WorkbenchError
 from workbench._src.core.inputs import SPLIT_ASSERT_MARKER, distribute_input
@@ -30,10 +31,6 @@ from workbench._src.core.optimizer import OptimizerNeedsBuild
 from workbench._src.core.tf_setup import tf
 
 BATCH_SIZE_KEY = "__batch_size__"
-# Backends whose fused loop keeps metric rows per local replica and reduces them once per chunk
-# (their strategies give local results in device order; TPU and parameter servers keep the
-# per-step reduce).
-LOCAL_ROWS_BACKENDS = ("single", "mirrored", "multi-worker")
 
 
 class Program:
@@ -100,7 +97,7 @@ class Program:
     def _fused_graph(self, iterator, n):
         t = tf()
         strategy = self.replicator.strategy
-        if self.infinite_input and self.replicator.backend in LOCAL_ROWS_BACKENDS:
+        if self.infinite_input and self.replicator.spec.local_rows:
             return self._fused_plain(iterator, n), n
         if self.infinite_input:
             # The loop a TensorFlow expert writes by hand: no end-of-input check in the body.
@@ -292,7 +289,7 @@ def _validated_outputs(outputs, where: str):
         return {}
 
     def check(path, value):
-        if isinstance(value, (t.Tensor, t.Variable)) or hasattr(value, "_type_spec"):
+        if isinstance(value, (t.Tensor, t.Variable)) or compat.is_composite_tensor(value):
             return value
         if isinstance(value, (numbers.Number, np.ndarray, np.generic)) and not isinstance(value, bool):
             return t.convert_to_tensor(value)

@@ -19,12 +19,13 @@ C++ destructors. A deletion already under way on the reaper thread ends the proc
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import queue
 import sys
 import threading
 import weakref
+
+from workbench._src import compat
 
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _lock = threading.Lock()
@@ -87,7 +88,7 @@ def _keep_forever(objects) -> None:
     """Adds a reference to each object that is never released: its destructor never runs, not
     even during interpreter finalization (the process ends with it still alive)."""
     for obj in objects:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+        compat.keep_forever(obj)
 
 
 def _reap() -> None:
@@ -154,8 +155,7 @@ def _untracked_iterators() -> list:
     """Every tf.data iterator object still alive, also those no Program holds (a numerics twin's,
     an async-ps coordinator's, the user's own): each holds an iterator resource whose deletion
     at finalization would wait like the others (measured: 28 s after a test file's summary)."""
-    iterator_ops = sys.modules.get("tensorflow.python.data.ops.iterator_ops")
-    owned = getattr(iterator_ops, "OwnedIterator", None)
+    owned = compat.owned_iterator_class()
     if owned is None:  # TensorFlow not imported, or its layout changed: the tracked ones only
         return []
     return [obj for obj in gc.get_objects() if issubclass(type(obj), owned)]  # 0.1 s for 400k objects
@@ -167,7 +167,7 @@ def _exit_now() -> None:
     import os
 
     code = exit_code_hint if exit_code_hint is not None else (1 if hasattr(sys, "last_value") else 0)
-    weakref.finalize._exitfunc()  # e.g. temporary folders; their atexit hook may run after this one
+    compat.run_weakref_finalizers()  # e.g. temporary folders; their atexit hook may run after this one
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

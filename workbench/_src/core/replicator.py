@@ -2,13 +2,16 @@
 
 A backend only says which strategy to build and which devices each replica owns; everything a
 user touches (context, wrap_optimizer, primitives, run, train) is here, so every backend behaves
-the same and one conformance suite tests them all.
+the same and one conformance suite tests them all. Steps run in this process; a backend whose
+steps run in processes the notebook starts has its notebook face in backends/remote.py.
 
-A replicator is one of two kinds. In-process, it has a strategy and its steps run here. Remote
-(a local multi-worker or async-ps cluster seen from the notebook), it has a `_launcher` instead
-(launch/launcher.py): its steps run in processes the launcher starts, where the same backend
-class is in-process; here, context() only records what the cell builds and train/run go to the
-launcher. This file is the one place that tells the two apart.
+What a backend may override (called by this class only, never by the run loop):
+  _make_strategy()                  the tf.distribute strategy (required)
+  _logical_devices(primary)         the devices of one replica (model parallelism)
+  _program(step_fn, input_fn)       the compiled pair (async-ps: traced on its coordinator)
+  _executor(program)                what runs its chunks (run_loop.Executor)
+  _agree_on_chunk(steps, stop)      one chunk length and stop decision for every process
+  _checkpoint_write_directory(dir)  where this process writes checkpoints
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ import contextlib
 from collections.abc import Callable
 from typing import Literal
 
-from workbench._src.core import primitives
+from workbench._src.backends.registry import names, spec
+from workbench._src.core import cells, primitives, run_loop
+from workbench._src.core.checkpoints import Saver, named_items
 from workbench._src.core.errors import ConfigurationError, ReplicaContextError
 from workbench._src.core.inputs import InputReplication
 from workbench._src.core.optimizer import ReplicatedOptimizer
+from workbench._src.core.program import Program
+from workbench._src.core.run_options import options_from
 from workbench._src.core.tf_setup import tf
 
 
@@ -54,9 +61,19 @@ class Replicator:
         self._programs: dict = {}
         self._created_variables: list = []
         self._in_context = False  # context() is re-entrant: variables are recorded once
-        self._launcher = None  # set by process backends seen from outside their cluster
 
     # ----- what a backend provides -------------------------------------------------------
+    @classmethod
+    def from_replicas(cls, num_replicas: int | None = None, **kwargs):
+        """`wb.replicator(name, num_replicas=...)`: a backend whose replica count is not the
+        user's to choose refuses one; backends that take it override this."""
+        if num_replicas is not None:
+            raise ConfigurationError(
+                f"The {cls.backend!r} backend chooses its own replica count; received "
+                f"num_replicas={num_replicas}. Fix: leave num_replicas out."
+            )
+        return cls(**kwargs)
+
     def _make_strategy(self):
         raise NotImplementedError
 
@@ -85,16 +102,16 @@ class Replicator:
         return directory
 
     # ----- the public face ---------------------------------------------------------------
+    runs_in_processes = False  # True for the notebook face of a process backend (remote.py)
+
     @property
-    def runs_in_processes(self) -> bool:
-        """True when steps run in worker processes this replicator starts, not in this process."""
-        return self._launcher is not None
+    def spec(self):
+        """This backend's declaration (capabilities; backends/registry.py)."""
+        return spec(self.backend)
 
     @property
     def strategy(self):
         """The underlying tf.distribute.Strategy (for code that wants TensorFlow's own API)."""
-        if self._launcher is not None:
-            raise self._launcher.no_strategy_error()
         if self._strategy is None:
             self._strategy = self._make_strategy()
         return self._strategy
@@ -114,14 +131,7 @@ class Replicator:
 
         Build the model and the optimizer here. The replicator also remembers the variables, so
         `train(checkpoint_dir=...)` can save them without being told what the model is.
-        For a replicator whose steps run in other processes, the variables are built here as
-        plain local ones (the notebook can inspect the model; each process builds its own, and
-        the trained weights come back into these when training ends).
         """
-        if self._launcher is not None:
-            with self._recording_variables():
-                yield self
-            return
         with self.strategy.scope(), self._recording_variables():
             yield self
 
@@ -158,27 +168,37 @@ class Replicator:
     # primitives: see workbench/_src/core/primitives.py for their exact definitions
     def all_reduce(self, x, op: Literal["sum", "mean", "max", "min"] = "sum"):
         """Every replica gets op over all replicas' x (nested structures accepted)."""
-        return primitives.all_reduce(self.strategy, x, op)
+        return primitives.all_reduce(self._synchronous_strategy("all_reduce"), x, op)
 
     def all_sum(self, x):
         """Every replica gets the sum over replicas of x."""
-        return primitives.all_reduce(self.strategy, x, "sum", name="all_sum")
+        return primitives.all_reduce(self._synchronous_strategy("all_sum"), x, "sum", name="all_sum")
 
     def all_gather(self, x, axis: int = 0):
         """Every replica gets all replicas' x concatenated along `axis`, in replica order."""
-        return primitives.all_gather(self.strategy, x, axis)
+        return primitives.all_gather(self._synchronous_strategy("all_gather"), x, axis)
 
     def broadcast(self, x, source: int = 0):
         """Every replica gets replica `source`'s x."""
-        return primitives.broadcast(self.strategy, x, source)
+        return primitives.broadcast(self._synchronous_strategy("broadcast"), x, source)
 
     def map_reduce(self, fn: Callable, x, op: Literal["sum", "mean", "max", "min"] = "sum"):
         """Replica r applies fn to shard r of x (cut along axis 0); results reduced with op."""
-        return primitives.map_reduce(self.strategy, fn, x, op)
+        return primitives.map_reduce(self._synchronous_strategy("map_reduce"), fn, x, op)
 
     def map_gather(self, fn: Callable, x):
         """Replica r applies fn to shard r of x (cut along axis 0); results concatenated."""
-        return primitives.map_gather(self.strategy, fn, x)
+        return primitives.map_gather(self._synchronous_strategy("map_gather"), fn, x)
+
+    def _synchronous_strategy(self, primitive: str):
+        if not self.synchronous:
+            raise ConfigurationError(
+                f"repl.{primitive} combines values across replicas that step together; under "
+                f"{self.backend} every worker steps on its own, so there is nothing to combine with. "
+                f"It works on the synchronous backends: {', '.join(names(synchronous=True))}. Fix: "
+                "use one of those, or keep cross-replica code out of step_fn here."
+            )
+        return self.strategy
 
     @contextlib.contextmanager
     def logical_device(self, index: int):
@@ -202,8 +222,6 @@ class Replicator:
         Compiled once per (step_fn, input_fn) pair and cached: calling it in a loop neither
         retraces nor restarts the input pipeline.
         """
-        if self._launcher is not None:
-            return self._launcher.run(step_fn, input_fn)
         return self._program(step_fn, input_fn).run_one()
 
     def train(
@@ -227,21 +245,29 @@ class Replicator:
             checkpoint_dir, checkpoint, checkpoint_every, resume, on_nonfinite, warmup,
             background, sinks, name).
         """
-        from workbench._src.core import run_loop
+        self._check_train_arguments(step_fn, input_fn, setup)
+        if setup is not None:
+            with self.context():
+                step_fn, input_fn = cells.functions_from_setup(setup(self))
+        opts = options_from(steps, options)
+        program = self._program(step_fn, input_fn)
+        saver = None
+        if opts.checkpoint_dir:
+            saver = Saver(
+                program,
+                opts.checkpoint_dir,
+                named_items(self, opts.checkpoint),
+                resume=opts.resume,
+                write_directory=self._checkpoint_write_directory(opts.checkpoint_dir),
+            )
+        return run_loop.train(self, program, self._executor(program), saver, opts)
 
+    def _check_train_arguments(self, step_fn, input_fn, setup) -> None:
         if setup is None and (step_fn is None or input_fn is None):
             raise ConfigurationError(
                 "train needs step_fn and input_fn, or setup=build where build(repl) returns them; "
                 f"received step_fn={step_fn!r}, input_fn={input_fn!r}, setup=None."
             )
-        if self._launcher is not None:
-            return self._launcher.train(step_fn, input_fn, steps, setup=setup, **options)
-        if setup is not None:
-            from workbench._src.launch.shipping import unpack_setup
-
-            with self.context():
-                step_fn, input_fn = unpack_setup(setup(self))
-        return run_loop.train(self, step_fn, input_fn, steps, **options)
 
     def train_cell(self, source: str, namespace: dict, steps: int, *, filename: str | None = None, **options):
         """Runs a `%%replicate` cell's source (or a `workbench run` file) inside repl.context()
@@ -251,41 +277,23 @@ class Replicator:
         mistakes show at once and the notebook gets `model`), then in every process; the
         trained weights come back into the variables the cell made here.
         """
-        from workbench._src.core.cells import CELL_FILENAME, execute_source, functions_defined
-
-        filename = filename or CELL_FILENAME
-        if self._launcher is not None:
-            return self._launcher.train_cell(source, namespace, steps, filename=filename, **options)
-        namespace.setdefault("repl", self)
-        with self.context():
-            execute_source(source, namespace, filename)
-        step_fn, input_fn = functions_defined(namespace, where=filename)
+        step_fn, input_fn = cells.build_cell(self, source, namespace, filename or cells.CELL_FILENAME)
         return self.train(step_fn, input_fn, steps, **options)
 
     def run_on_workers(self, fn: Callable, *, timeout: float | None = None) -> list:
         """Runs fn(repl) in every worker process (here: once, in this process); returns the
         results in worker order. For process backends fn is pickled by value (cloudpickle)."""
-        if self._launcher is not None:
-            return self._launcher.run_on_workers(fn, timeout=timeout)
         return [fn(self)]
 
     def _executor(self, program):
         """What runs the chunks of `program` in this process (the run loop's executor)."""
-        from workbench._src.core.run_loop import InProcessExecutor
-
-        return InProcessExecutor(program)
+        return run_loop.InProcessExecutor(program, agree=self._agree_on_chunk)
 
     def __reduce__(self):
-        # A replicator inside a function that travels to worker processes becomes, there, the
-        # process's own replicator (the in-cluster face of the same backend).
-        if self._launcher is None:
-            raise TypeError(
-                f"A {type(self).__name__} cannot be sent to another process; only replicators whose "
-                "steps run in worker processes (multi-worker, async-ps) travel with functions."
-            )
-        from workbench._src.launch.runtime import process_replicator
-
-        return (process_replicator, ())
+        raise TypeError(
+            f"A {type(self).__name__} cannot be sent to another process; only replicators whose "
+            "steps run in worker processes (multi-worker, async-ps) travel with functions."
+        )
 
     def restore(self, checkpoint_dir, checkpoint=None) -> int:
         """Loads the latest checkpoint that `train(checkpoint_dir=...)` wrote; returns its step.
@@ -302,8 +310,6 @@ class Replicator:
 
     # ----- internals ---------------------------------------------------------------------
     def _program(self, step_fn, input_fn):
-        from workbench._src.core.program import Program
-
         key = (step_fn, input_fn)
         if key not in self._programs:
             self._programs[key] = Program(self, step_fn, input_fn)

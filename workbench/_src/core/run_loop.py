@@ -27,32 +27,25 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from workbench._src.core.errors import InputError, NonFiniteError
 from workbench._src.core.run import Run
-from workbench._src.core.run_options import RunOptions, options_from
+from workbench._src.core.run_options import RunOptions
 
 CHUNK_SECONDS = 0.2
 MAX_STEPS_PER_EXECUTION = 1000
 
 
-def train(replicator, step_fn: Callable, input_fn: Callable, steps: int, **options) -> Run:
-    """Trains step_fn on input_fn for `steps` steps in this process; returns the wb.Run.
+def train(replicator, program, executor: Executor, saver, opts: RunOptions) -> Run:
+    """Trains `program` with `executor` for opts.steps steps; returns the wb.Run.
 
-    The options are RunOptions' (steps_per_execution, reduce, checkpoint_dir, checkpoint,
-    checkpoint_every, resume, on_nonfinite, background, sinks, name).
+    The replicator hands in everything the loop needs (its program, the executor that runs it,
+    the checkpoint Saver or None); the loop itself only asks it to describe itself.
     """
-    opts = options_from(steps, options)
-    program = replicator._program(step_fn, input_fn)
-    executor = replicator._executor(program)
-    run = new_run(replicator, step_fn, input_fn, opts)
-    saver = None
-    if opts.checkpoint_dir:
-        from workbench._src.core.checkpoints import Saver
-
-        saver = Saver(replicator, program, opts.checkpoint_dir, opts.checkpoint, resume=opts.resume)
+    run = new_run(replicator, program.step_fn, program.input_fn, opts)
     loop = ChunkLoop(run, program, executor, opts, saver)
     return drive(run, loop.execute, opts.background, opts.on_nonfinite)
 
@@ -110,23 +103,47 @@ def drive(run: Run, body: Callable[[Run], tuple[str, str | None]], background: b
     return run
 
 
+class Executor(Protocol):
+    """What runs a run's chunks for ChunkLoop (InProcessExecutor here; the async-ps
+    CoordinatorExecutor in backends/async_coordinator.py)."""
+
+    max_in_flight: int  # chunks submitted before the first is collected
+    rate_window_seconds: float  # 0: each chunk's own time gives its throughput
+    replicas_per_step: int  # metric rows arrive summed over this many replicas
+
+    def start(self, run: Run) -> None: ...
+    def agree(self, k: int, stop: bool) -> tuple[int, bool]: ...  # one k and stop for all processes
+    def submit(self, k: int): ...  # starts a chunk of k steps; returns a handle
+    def collect(self, handle): ...  # (rows, steps run), or None when lost with a dead worker
+    def parallelism(self) -> int: ...
+    def extra_columns(self) -> dict: ...  # added to every history row (async-ps: live workers)
+    def explain(self, error: BaseException) -> BaseException: ...  # the error to fail the run with
+    def healthy(self) -> bool: ...  # whether a checkpoint can still be saved after a failure
+    def close(self) -> None: ...
+
+
+def no_agreement(k: int, stop: bool) -> tuple[int, bool]:
+    return k, stop
+
+
 class InProcessExecutor:
-    """Runs chunks of a Program's fused loop here, one at a time."""
+    """Runs chunks of a Program's fused loop here, one at a time.
+
+    `agree`: how the processes of a run agree on each chunk's length and on stopping
+    (multi-worker replicas must run chunks of the same length and stop together; one process
+    agrees with itself).
+    """
 
     max_in_flight = 1
     rate_window_seconds = 0.0  # each chunk's own time gives its throughput
 
-    def __init__(self, program):
+    def __init__(self, program, agree: Callable[[int, bool], tuple[int, bool]] = no_agreement):
         self.program = program
+        self.agree = agree
         self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
 
     def start(self, run) -> None:
         pass
-
-    def agree(self, k: int, stop: bool) -> tuple[int, bool]:
-        # Multi-worker replicas must run chunks of the same length and stop together; the
-        # replicator agrees on both across workers (a no-op in one process).
-        return self.program.replicator._agree_on_chunk(k, stop)
 
     def submit(self, k: int):
         return self.program.run_fused(k)  # runs now; program.steps_done advances

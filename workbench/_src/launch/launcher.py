@@ -1,13 +1,13 @@
 """The launcher: a local multi-process run seen from the notebook (or script) that starts it.
 
 A process backend (multi-worker, async-ps) with no cluster given is, in the notebook, a
-replicator with a Launcher. Nothing TensorFlow-distributed happens in this process: the launcher
-starts the run's processes on this machine (ProcessGroup), hands them the work over the
-authenticated channel, relays the events of the chief's run into a wb.Run here (so the live
-dashboard, the run store and the JupyterLab sidebar work unchanged), notices deaths, freezes and
-stalls, and stops every process whatever happens. The backend says which processes to start
-(`_launch_plan()`: multi-worker, N workers that all-reduce; async-ps, one coordinator that starts
-its own parameter servers and workers); the rest is the same for both.
+RemoteReplicator (backends/remote.py) holding a Launcher. Nothing TensorFlow-distributed happens
+in this process: the launcher starts the run's processes on this machine (ProcessGroup), hands
+them the work over the authenticated channel, relays the events of the chief's run into a wb.Run
+here (so the live dashboard, the run store and the JupyterLab sidebar work unchanged), notices
+deaths, freezes and stalls, and stops every process whatever happens. The backend's LaunchPlan
+says which processes to start (`tasks()`: multi-worker, N workers that all-reduce; async-ps, one
+coordinator that starts its own parameter servers and workers); the rest is the same for both.
 """
 
 from __future__ import annotations
@@ -16,8 +16,13 @@ import dataclasses
 import queue
 import time
 
-from workbench._src.core.errors import ConfigurationError, WorkerError
+from workbench._src.core import errors as workbench_errors
+from workbench._src.core.errors import WorkerError
+from workbench._src.core.run_loop import checkpoint_hint, drive, new_run
+from workbench._src.core.run_options import options_from
 from workbench._src.launch import shipping
+from workbench._src.launch.channel import Channel
+from workbench._src.launch.processes import ProcessGroup
 
 WORKER_MODULE = "workbench._src.launch.worker_main"
 
@@ -36,63 +41,34 @@ class Task:
 
 
 class Launcher:
-    """Starts, follows and stops the processes of one backend's local runs."""
+    """Starts, follows and stops the processes of one backend's local runs.
 
-    def __init__(self, replicator, *, startup_timeout: float, heartbeat_timeout: float):
-        self.repl = replicator
-        self.startup_timeout = startup_timeout
-        self.heartbeat_timeout = heartbeat_timeout
+    Args:
+      backend: the backend's name (process labels, messages).
+      plan: its LaunchPlan: `tasks()` to start, `startup_timeout`, `heartbeat_timeout`.
+    """
+
+    def __init__(self, backend: str, plan):
+        self.backend = backend
+        self.plan = plan
         self.last_processes: list[dict] = []  # role/index/pid of every process of the last launch
 
-    def no_strategy_error(self) -> ConfigurationError:
-        return ConfigurationError(
-            f"This {self.repl.backend} replicator runs its steps in worker processes that it "
-            "starts, so this process has no strategy to run steps on; step_fn and the primitives "
-            "run inside those processes. Fix: train with a %%replicate cell, repl.train(setup=build, "
-            "steps=N) or repl.train(step_fn, input_fn, steps=N) (functions travel to the workers), "
-            "or run code in every worker with repl.run_on_workers(fn)."
-        )
+    @property
+    def startup_timeout(self) -> float:
+        return self.plan.launch_timeout
 
-    # ----- what the replicator delegates -------------------------------------------------
-    def run(self, step_fn, input_fn):
-        per_worker = self.run_on_workers(shipping.OneStep(step_fn, input_fn))
-        return [out for worker in per_worker for out in worker]
-
-    def run_on_workers(self, fn, *, timeout: float | None = None) -> list:
-        work = shipping.CallWork(fn)
-        results = self.launch(work, run=None, timeout=timeout)
-        return [results[task] for task in sorted(results, key=_task_order)]
-
-    def train(self, step_fn, input_fn, steps, *, setup=None, **options):
-        work = shipping.TrainWork(step_fn=step_fn, input_fn=input_fn, setup=setup)
-        return self._train(work, steps, options, local_variables=None)
-
-    def train_cell(self, source: str, namespace: dict, steps: int, *, filename=None, **options):
-        setup, local_variables = self.setup_from_cell(source, namespace, filename)
-        return self._train(shipping.TrainWork(setup=setup), steps, options, local_variables=local_variables)
-
-    def setup_from_cell(self, source: str, namespace: dict, filename: str | None = None):
-        """Runs a cell's source here, in the replicator's local context, so its mistakes show at
-        once and the notebook gets its names (and `model`); returns (a CellSetup that rebuilds
-        the cell in each process with the notebook's picklable names, the variables made here)."""
-        from workbench._src.core.cells import CELL_FILENAME, execute_source
-
-        filename = filename or CELL_FILENAME
-        namespace.setdefault("repl", self.repl)
-        first = len(self.repl._created_variables)
-        with self.repl.context():
-            execute_source(source, namespace, filename)
-        shipped, _skipped = shipping.picklable_namespace(namespace)
-        return shipping.CellSetup(source, shipped, filename), self.repl._created_variables[first:]
+    @property
+    def heartbeat_timeout(self) -> float:
+        return self.plan.heartbeat_timeout
 
     # ----- a launched run -------------------------------------------------------------------
-    def _train(self, work, steps, options, local_variables):
-        from workbench._src.core.run_loop import checkpoint_hint, drive, new_run
-        from workbench._src.core.run_options import options_from
-
+    def train(self, replicator, work, steps, options: dict, local_variables):
+        """Trains `work` (a shipping.TrainWork) in the processes; returns the notebook's wb.Run
+        (configured from `replicator`), with the chief's events relayed into it. The chief's
+        trained weights come back into `local_variables` (the variables a cell made here)."""
         opts = options_from(steps, options)
         work.steps, work.options = steps, opts.for_workers()
-        run = new_run(self.repl, work.step_fn, work.input_fn, opts)
+        run = new_run(replicator, work.step_fn, work.input_fn, opts)
 
         def body(run):
             try:
@@ -117,14 +93,10 @@ class Launcher:
 
     def launch(self, work, run=None, timeout: float | None = None) -> dict:
         """Starts the processes, hands them `work`, follows them to the end; returns task -> result."""
-        from workbench._src.launch.channel import Channel
-        from workbench._src.launch.processes import ProcessGroup
-
-        work.replicator_options = self.repl._options_for_processes()
         payload = shipping.dumps_for_workers(work)
-        tasks = self.repl._launch_plan()
+        tasks = self.plan.tasks()
         self.chief = tasks[0].name  # whose run events and result are the run's
-        group = ProcessGroup(self.repl.backend)
+        group = ProcessGroup(self.backend)
         channel = Channel(group)
         watch = _Watch(self, tasks, group, channel, run, payload, timeout)
         try:
@@ -177,7 +149,7 @@ class _Watch:
                 seconds = time.monotonic() - self.started
                 self.run.startup_seconds = seconds
                 self.run.publish(
-                    "message", text=f"{self.launcher.repl.backend} processes ready in {seconds:.1f} s"
+                    "message", text=f"{self.launcher.backend} processes ready in {seconds:.1f} s"
                 )
         elif kind == "processes":  # what a coordinator started itself (async-ps servers)
             self.launcher.last_processes.extend(message["children"])
@@ -290,10 +262,8 @@ class _Watch:
         return errors
 
     def _report_errors(self, errors: dict) -> None:
-        first = min(errors, key=_task_order)  # the same mistake on every worker: report the chief's
+        first = min(errors, key=task_order)  # the same mistake on every worker: report the chief's
         error = errors[first]
-        from workbench._src.core import errors as workbench_errors
-
         kind = getattr(workbench_errors, error.get("error_class") or "", None)
         if kind is not None and kind is not WorkerError:
             # The user's mistake (a bad cell, a wrong batch): the same error class and message
@@ -320,11 +290,12 @@ class _Watch:
             tail = self._child(task).log_tail()
             if tail:
                 log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
-        backend = self.launcher.repl.backend
+        backend = self.launcher.backend
         raise WorkerError(f"{backend} run failed: {text}{log}", task=_label(task) if task else None)
 
 
-def _task_order(task: str):
+def task_order(task: str):
+    """Workers first, in index order (the chief is worker 0)."""
     role, index = task.split(":")
     return (role != "worker", role, int(index))
 

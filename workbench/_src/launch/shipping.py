@@ -114,18 +114,6 @@ class CellSetup:
         return functions_defined(namespace, where=self.filename)
 
 
-def unpack_setup(built):
-    """(step_fn, input_fn) from what setup(repl) returned."""
-    if isinstance(built, dict) and "step_fn" in built and "input_fn" in built:
-        return built["step_fn"], built["input_fn"]
-    if isinstance(built, (tuple, list)) and len(built) == 2:
-        return tuple(built)
-    raise ConfigurationError(
-        "setup(repl) must return (step_fn, input_fn) or {'step_fn': ..., 'input_fn': ...}; "
-        f"received {type(built).__name__}: {built!r:.80}."
-    )
-
-
 def load_weights(local_variables, weights, run) -> None:
     """The chief's trained weights into the variables a cell built in the notebook."""
     loaded = 0

@@ -31,7 +31,7 @@ def main() -> None:
         runtime.mark_launched()
         repl = runtime.process_replicator()
         repl.strategy  # noqa: B018 - joins the peers (multi-worker) or starts the servers (async-ps)
-        children = repl._started_processes() if hasattr(repl, "_started_processes") else []
+        children = repl.started_processes()
         if children:
             link.send({"type": "processes", "children": children})
         link.send({"type": "ready"})
@@ -51,7 +51,7 @@ def main() -> None:
     finally:
         if repl is not None:
             try:  # the coordinator's servers, scratch folders: os._exit skips every finalizer
-                repl._close_launched_process()
+                repl.close_launched_process()
             except Exception:  # noqa: BLE001 - exiting anyway; servers also exit on stdin EOF
                 pass
         from workbench._src.launch.processes import remove_own_tmp_dir

@@ -16,6 +16,7 @@ import io
 
 from IPython.core.error import UsageError
 
+from workbench._src.backends import registry
 from workbench._src.core import cells
 from workbench._src.core.errors import ConfigurationError, DeviceError
 from workbench._src.notebook import session
@@ -54,9 +55,9 @@ def scaling_form(magics, args, cell: str | None):
     previous = ns.get("repl", _MISSING)
     if cell is not None:
         _no_function_names(args, "%%replicate --scaling 1,2,4")
-        if options["backend"] == "multi-worker":  # the cell runs here once, then in the workers
+        if registry.spec(options["backend"]).in_processes:  # the cell runs here, then in the workers
             call = lambda: scaling_study(  # noqa: E731
-                setup=_cell_for_workers(magics, cell, max(args.scaling)), **options
+                setup=_cell_for_workers(magics, cell, options["backend"], max(args.scaling)), **options
             )
         else:
             code = magics.compile_cell(cell)
@@ -95,18 +96,16 @@ def scaling_form(magics, args, cell: str | None):
             ns["repl"] = previous
 
 
-def _cell_for_workers(magics, cell: str, replicas: int):
+def _cell_for_workers(magics, cell: str, backend: str, replicas: int):
     """The cell as a setup that travels to each configuration's worker processes.
 
     The cell runs here first, in a launcher's local context (as a multi-worker training cell
     does), so its mistakes show at once and the notebook has its names; then its source and the
     notebook's picklable names go to the workers, which build the model themselves.
     """
-    from workbench._src.backends.multi_worker import MultiWorkerReplicator
-
     ns = magics.shell.user_ns
-    ns["repl"] = launcher = MultiWorkerReplicator.from_replicas(replicas)
-    setup, _variables_here = launcher._launcher.setup_from_cell(magics.shell.transform_cell(cell), ns)
+    ns["repl"] = launcher = registry.replicator(backend, num_replicas=replicas)
+    setup, _variables_here = launcher.setup_from_cell(magics.shell.transform_cell(cell), ns)
     magics.defined_functions()  # the cell must define step_fn and input_fn
     return setup
 
@@ -221,7 +220,9 @@ def _study_backend(backend: str | None) -> str:
     """--backend, else the session's backend, else mirrored; the session itself is unchanged."""
     if backend is None:
         choice = session.current_choice() or {}
-        backend = choice.get("backend") or getattr(session.current_or_none(), "backend", None) or "mirrored"
+        backend = (
+            choice.get("backend") or getattr(session.current_or_none(), "backend", None) or registry.DEFAULT
+        )
     try:
         return session.normalize_backend(backend)
     except ConfigurationError as e:

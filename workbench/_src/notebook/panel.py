@@ -13,6 +13,7 @@ import html
 import ipywidgets as w
 import traitlets
 
+from workbench._src.backends import registry
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.notebook import session
 from workbench._src.sinks.dashboard import Dashboard
@@ -36,7 +37,7 @@ class Panel(w.VBox):
         self.run = None  # the last wb.Run started here
         self.devices = device_summary()
         self.max_replicas = max(1, len(self.devices["gpus"]) or self.devices["virtual_cpus"])
-        self.reasons = {name: session.not_available_reason(name) for name in session.KNOWN_BACKENDS}
+        self.reasons = {name: spec.unavailable_reason() for name, spec in registry.BACKENDS.items()}
         self._build()
         choice = session.current_choice()
         if choice:  # open on what the session already uses
@@ -146,7 +147,7 @@ class Panel(w.VBox):
         )
         self._devices = w.HTML(f"<b>Replicator Workbench</b> &nbsp; devices found: {found}")
         self._backend_buttons = {}
-        for name in session.KNOWN_BACKENDS:
+        for name in registry.BACKENDS:
             reason = self.reasons[name]
             button = w.ToggleButton(
                 description=name,
@@ -156,7 +157,7 @@ class Panel(w.VBox):
             )
             button.observe(lambda change, name=name: self._on_button(name, change), "value")
             self._backend_buttons[name] = button
-        async_reason = self.reasons["async-ps"]
+        async_reason = self.reasons[registry.DEFAULT_ASYNC]
         self._sync_button = w.ToggleButton(
             description="sync",
             tooltip="all replicas step together (all-reduce)",
@@ -169,9 +170,9 @@ class Panel(w.VBox):
             layout=w.Layout(width="auto"),
         )
         self._sync_button.observe(
-            lambda c: c["new"] and self.backend in session.ASYNC_BACKENDS and self._pick("mirrored"), "value"
+            lambda c: c["new"] and not self._spec.synchronous and self._pick(registry.DEFAULT), "value"
         )
-        self._async_button.observe(lambda c: c["new"] and self._pick("async-ps"), "value")
+        self._async_button.observe(lambda c: c["new"] and self._pick(registry.DEFAULT_ASYNC), "value")
         unavailable = [f"{n}: {r}" for n, r in self.reasons.items() if r]
         self._reasons = w.HTML("<small>" + "<br>".join(html.escape(u) for u in unavailable) + "</small>")
         self._replicas = w.BoundedIntText(
@@ -243,19 +244,15 @@ class Panel(w.VBox):
         try:
             for name, button in self._backend_buttons.items():
                 button.value = name == self.backend
-            asynchronous = self.backend in session.ASYNC_BACKENDS
+            spec = self._spec
+            asynchronous = not spec.synchronous
             self._sync_button.value, self._async_button.value = not asynchronous, asynchronous
             self._replicas.value = (
-                self.replicas
-                if self.backend == "mirrored"
-                else (1 if self.backend == "single" else self._replicas.value)
+                self.replicas if spec.takes_replicas else (spec.fixed_replicas or self._replicas.value)
             )
-            self._replicas.disabled = self.backend != "mirrored"
-            self._workers.value, self._workers.disabled = (
-                self.workers,
-                self.backend not in session.WORKER_BACKENDS,
-            )
-            self._ps.value, self._ps.disabled = self.ps, self.backend not in session.PS_BACKENDS
+            self._replicas.disabled = not spec.takes_replicas
+            self._workers.value, self._workers.disabled = self.workers, not spec.takes_workers
+            self._ps.value, self._ps.disabled = self.ps, not spec.takes_ps
             self._steps.value = self.steps
         finally:
             self._syncing = False
@@ -263,11 +260,16 @@ class Panel(w.VBox):
         self._magic.value = f"equivalent magic (copy into a cell):<pre style='margin:2px 0'>{html.escape(self.magic_line)}</pre>"
 
     def _counts(self) -> tuple:
+        spec = self._spec
         return (
-            self.replicas if self.backend == "mirrored" else None,
-            self.workers if self.backend in session.WORKER_BACKENDS else None,
-            self.ps if self.backend in session.PS_BACKENDS else None,
+            self.replicas if spec.takes_replicas else None,
+            self.workers if spec.takes_workers else None,
+            self.ps if spec.takes_ps else None,
         )
+
+    @property
+    def _spec(self):
+        return registry.spec(self.backend)
 
     def _follow(self, repl, choice: dict | None) -> None:
         """Shows a choice made elsewhere (the magic, wb.use) without choosing again."""
@@ -278,7 +280,7 @@ class Panel(w.VBox):
                 self.backend = backend
             for trait, key in (("replicas", "num_replicas"), ("workers", "num_workers"), ("ps", "num_ps")):
                 value = (choice or {}).get(key)
-                if value is None and trait == "replicas" and backend == "mirrored" and repl is not None:
+                if value is None and trait == "replicas" and registry.spec(backend).takes_replicas and repl:
                     value = repl.describe().get("num_replicas")
                 if value is not None:
                     setattr(self, trait, value)

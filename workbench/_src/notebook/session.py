@@ -9,19 +9,12 @@ Nothing here imports TensorFlow at import time; building a replicator does.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from workbench._src.backends import BACKENDS
-from workbench._src.core.errors import ConfigurationError, check_positive_int
-
-# Every backend, in the order the panel shows them: the one registry's (backends.BACKENDS).
-KNOWN_BACKENDS = tuple(BACKENDS)
-ASYNC_BACKENDS = ("async-ps",)
-WORKER_BACKENDS = ("multi-worker", "async-ps")  # the ones --workers applies to
-PS_BACKENDS = ("async-ps",)  # the ones --ps applies to
+from workbench._src.backends import registry
+from workbench._src.core.errors import ConfigurationError
 
 _lock = threading.RLock()
 _current = None  # the session's Replicator
@@ -31,28 +24,7 @@ _observers: list[Callable[[Any, dict | None], None]] = []
 
 def normalize_backend(name: str) -> str:
     """'Multi_Worker' -> 'multi-worker'; raises ConfigurationError for names nobody knows."""
-    if not isinstance(name, str):
-        raise ConfigurationError(f"backend must be a name such as 'mirrored'; received {name!r}.")
-    key = name.strip().lower().replace("_", "-")
-    if key not in KNOWN_BACKENDS:
-        raise ConfigurationError(
-            f"Unknown replicator backend {name!r}. Valid names: {', '.join(KNOWN_BACKENDS)}. "
-            "Example: %replicate --backend mirrored --replicas 4."
-        )
-    return key
-
-
-def not_available_reason(backend: str) -> str | None:
-    """Why `backend` cannot be chosen here and now, or None when it can.
-
-    Cheap enough for the panel to call on every redraw: only TPU needs a device listing.
-    """
-    if backend == "tpu" and not os.environ.get("TPU_NAME"):
-        from workbench._src.core.tf_setup import tf
-
-        if not tf().config.list_logical_devices("TPU"):
-            return "no TPU in this process and TPU_NAME is not set"
-    return None
+    return registry.spec(name, example="%replicate --backend mirrored --replicas 4").name
 
 
 def choose(
@@ -80,9 +52,9 @@ def choose(
     global _current, _choice
     with _lock:
         if backend is None:
-            backend = (_choice or {}).get("backend") or getattr(_current, "backend", None) or "mirrored"
+            backend = (_choice or {}).get("backend") or getattr(_current, "backend", None) or registry.DEFAULT
         backend = normalize_backend(backend)
-        _check_counts(backend, num_replicas, num_workers, num_ps)
+        registry.check_counts(registry.spec(backend), num_replicas, num_workers, num_ps)
         choice = {
             "backend": backend,
             "num_replicas": num_replicas,
@@ -91,10 +63,8 @@ def choose(
         }
         if _current is not None and choice == _choice:
             return _current
-        from workbench._src.backends import replicator
-
         extra = {k: v for k, v in (("num_workers", num_workers), ("num_ps", num_ps)) if v is not None}
-        repl = replicator(backend, num_replicas=num_replicas, **extra)
+        repl = registry.replicator(backend, num_replicas=num_replicas, **extra)
         _set(repl, choice)
         return repl
 
@@ -266,23 +236,6 @@ def train(
     if background and dashboard is not None:
         dashboard.attach_stop(run.stop)
     return run
-
-
-def _check_counts(backend, num_replicas, num_workers, num_ps) -> None:
-    for name, value in (("replicas", num_replicas), ("workers", num_workers), ("ps", num_ps)):
-        if value is not None:
-            check_positive_int(f"--{name}", value, fix=f"--{name} 2")
-    if num_workers is not None and backend not in WORKER_BACKENDS:
-        raise ConfigurationError(
-            f"--workers applies to the {' and '.join(WORKER_BACKENDS)} backends; received "
-            f"backend={backend!r} with workers={num_workers}. Fix: drop --workers, or use "
-            "--backend multi-worker (sync) or --backend async-ps (parameter servers)."
-        )
-    if num_ps is not None and backend not in PS_BACKENDS:
-        raise ConfigurationError(
-            f"--ps (parameter servers) applies to the async-ps backend; received backend="
-            f"{backend!r} with ps={num_ps}. Fix: drop --ps, or use --backend async-ps."
-        )
 
 
 def _set(repl, choice: dict | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import threading
 
+from workbench._src import compat
 from workbench._src.core.tf_setup import tf
 
 
@@ -59,14 +60,11 @@ class GradientRecorder:
         notes.append((kind, type(getattr(optimizer, "optimizer", optimizer)).__name__, pairs))
 
     def __enter__(self):
-        import keras
-
         from workbench._src.core.optimizer import ReplicatedOptimizer
 
         recorder = self
         wrapped_original = ReplicatedOptimizer.apply_gradients
-        owner = next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in c.__dict__)
-        keras_original = owner.__dict__["apply"]
+        owner, keras_original = compat.keras_apply_owner()
 
         def wrapped_apply_gradients(opt, grads_and_vars):
             grads_and_vars = list(grads_and_vars)
@@ -83,7 +81,9 @@ class GradientRecorder:
                 trainable_variables = list(trainable_variables)
             if not getattr(recorder._inner, "depth", 0):
                 variables = (
-                    trainable_variables if trainable_variables is not None else opt._trainable_variables
+                    trainable_variables
+                    if trainable_variables is not None
+                    else compat.keras_optimizer_variables(opt)
                 )
                 recorder._note("plain", opt, list(zip(grads, variables)))
             return keras_original(opt, grads, trainable_variables)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from workbench._src.backends import registry
 from workbench._src.core.errors import WorkbenchError
 
 
@@ -79,13 +80,14 @@ def scale_file(args) -> int:
     from workbench._src.launch.shipping import CellSetup
     from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
 
-    if args.backend == "mirrored":  # a machine with GPUs keeps its GPUs
+    backend = registry.spec(args.backend)
+    if backend.takes_replicas:  # devices of this process (a machine with GPUs keeps its GPUs)
         tf_setup.configure_devices(cpus=args.cpus or max(8, *counts))
     sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
     # A fresh namespace per configuration; the source (not a code object) so that it also
     # travels to worker processes, and the file's name so tracebacks and AutoGraph find it.
     setup = CellSetup(path.read_text(), {"__file__": str(path.resolve())}, filename=str(path))
-    options = {"threads_per_worker": args.threads} if args.backend == "multi-worker" and args.threads else {}
+    options = {backend.threads_option: args.threads} if backend.threads_option and args.threads else {}
     try:
         study = scaling_study(
             setup=setup, backend=args.backend, replicas=counts, mode=args.mode,
@@ -107,8 +109,6 @@ def scale_file(args) -> int:
 
 
 def _make_replicator(args):
-    from workbench._src.backends import replicator
-
     extra = {}
     if args.workers is not None:
         extra["num_workers"] = args.workers
@@ -116,9 +116,9 @@ def _make_replicator(args):
         extra["num_ps"] = args.ps
     if args.cluster:
         extra["cluster"] = args.cluster
-    if args.backend in ("multi-worker", "async-ps"):
+    if registry.spec(args.backend).in_processes:
         extra["startup_timeout"] = args.startup_timeout
-    return replicator(args.backend, num_replicas=args.replicas, **extra)
+    return registry.replicator(args.backend, num_replicas=args.replicas, **extra)
 
 
 def _spe(text: str):

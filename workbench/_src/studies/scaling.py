@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from workbench._src.backends import registry
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.studies.scaling_setup import Build, ScalingContext, measure
 
@@ -275,8 +276,6 @@ def scaling_study(
     """
     import time
 
-    from workbench._src.backends import backend_class
-    from workbench._src.backends import replicator as make_replicator
     from workbench._src.core.run_stats import figures
     from workbench._src.core.tf_setup import device_summary
     from workbench._src.plots.scaling_plot import live_sink
@@ -296,7 +295,7 @@ def scaling_study(
             )
         reference_label = reference_label or REFERENCES[reference][0]
         reference = REFERENCES[reference][1]
-    if getattr(backend_class(backend), "backend", None) == "async-ps":
+    if not registry.spec(backend).synchronous:
         raise ConfigurationError(
             f"A scaling study measures synchronous steps (every replica takes one batch per step, "
             f"so a step's time is the cluster's); received backend={backend!r}, whose workers step "
@@ -304,7 +303,7 @@ def scaling_study(
             "(processes), or time async training with run.history['examples_per_sec']."
         )
     # Build every replicator first: a device count the process lacks fails now, not after an hour.
-    repls = {n: make_replicator(backend, num_replicas=n, **replicator_options) for n in counts}
+    repls = {n: registry.replicator(backend, num_replicas=n, **replicator_options) for n in counts}
     study = ScalingStudy(
         mode,
         counts,
@@ -357,7 +356,7 @@ def _honesty(described: dict, devices: dict, threads_per_worker: int | None = No
     cores = devices.get("physical_cores") or 0
     replicas = int(described.get("num_replicas") or 1)
     workers = int(described.get("num_workers") or 1)
-    if described.get("backend") == "multi-worker":
+    if registry.spec(described["backend"]).in_processes:
         kind = "GPU" if devices.get("gpus") else "CPU process"
         threads = threads_per_worker or cores
         total = threads * workers

@@ -1,0 +1,148 @@
+"""Helpers shared by the test modules (test modules never import each other).
+
+Functions defined here travel to worker processes by value (cloudpickle): the workers cannot
+import tests/.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import cloudpickle
+import numpy as np
+import psutil
+import tensorflow as tf
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CLUSTER_MODULES = ("workbench._src.launch.worker_main", "workbench._src.launch.server_main")
+RNG = np.random.RandomState(0)
+X = RNG.randn(64, 8).astype("float32")
+Y = RNG.randn(64, 1).astype("float32")
+W0 = RNG.randn(8, 1).astype("float32") * 0.1
+GLOBAL_BATCH = 16
+
+
+def cluster_processes() -> list[str]:
+    """This process's descendants running a workbench worker or server module (zombies excluded),
+    as "pid status args" lines. Only what this test process started is looked at: other workbench
+    users on the machine (another test run, a training job) must not make these checks fail."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            status, args = process.status(), " ".join(process.cmdline())
+        except psutil.Error:  # ended meanwhile
+            continue
+        if status != psutil.STATUS_ZOMBIE and any(m in args for m in CLUSTER_MODULES):
+            found.append(f"{process.pid} {status} {args}")
+    return found
+
+
+def adopt_orphans(on: bool) -> None:
+    """Linux PR_SET_CHILD_SUBREAPER: a descendant whose parent died (a `workbench run` child, a
+    killed kernel script) is re-parented to this process instead of init, so a worker it left
+    behind is still among our descendants for cluster_processes."""
+    import ctypes
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)
+
+
+def make_model():
+    import keras
+
+    return keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(W0))]
+    )
+
+
+def regression_input_fn(ctx):
+    return tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(GLOBAL_BATCH)
+
+
+def regression_model_and_step(repl, lr=0.05):
+    """The regression model and an SGD step_fn for it (call inside repl.context())."""
+    import keras
+
+    model = make_model()
+    opt = repl.wrap_optimizer(keras.optimizers.SGD(lr))
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+        return {"loss": loss}
+
+    return model, step_fn
+
+
+def regression_setup(repl):
+    _, step_fn = regression_model_and_step(repl)
+    return step_fn, regression_input_fn
+
+
+def wait_for_steps(run, steps, timeout=120):
+    deadline = time.monotonic() + timeout
+    while run.steps < steps and run.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run.steps >= steps, f"run reached only step {run.steps}: {run.status} {run.stop_reason}"
+
+
+def process_pid(run, role: str, index: int) -> int:
+    """The pid of a process the run started (run.processes), never a scan of the machine."""
+    return next(p["pid"] for p in run.processes if p["role"] == role and p["index"] == index)
+
+
+PROCESS_CELL = """
+import keras
+import numpy as np
+import tensorflow as tf
+
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
+features = np.random.RandomState(1).randn(256, 8).astype("float32")
+targets = features @ np.linspace(-1, 1, 8, dtype="float32")[:, None]
+
+def input_fn(ctx):
+    return tf.data.Dataset.from_tensor_slices((features, targets)).repeat().batch(32)
+
+def step_fn(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    return {"loss": loss}
+"""
+
+
+def host_addresses() -> list[str]:
+    """This machine's own non-loopback IPv4 addresses (where an outsider would connect)."""
+    found = []
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                found.append(a.address)
+    return found
+
+
+def connect_error(host: str, port: int) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        return s.connect_ex((host, port))
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,201 @@
+"""The package's shape, checked by reading its source (AST; nothing is imported):
+
+- no import cycle between the workbench's modules, counting imports made inside functions;
+- no module but the backend registry compares a backend's name;
+- no private TensorFlow, Keras, CPython or pytest name outside `workbench/_src/compat.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "workbench"
+REGISTRY = PACKAGE / "_src" / "backends" / "registry.py"
+COMPAT = PACKAGE / "_src" / "compat.py"
+BACKEND_NAMES = {"single", "mirrored", "multi-worker", "async-ps", "tpu"}
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(path.read_text(encoding="utf-8"), str(path)) for name, path in MODULES.items()}
+
+
+def _imported(name: str, tree: ast.AST) -> set[str]:
+    """The workbench modules `name` imports, wherever the import statement stands."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in MODULES and t != name)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, result = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                result.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return result
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    # `workbench/__init__.py` re-exports the public names: it imports, nobody imports it back.
+    graph = {name: _imported(name, tree) - {"workbench"} for name, tree in TREES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _backend_name_comparisons(tree: ast.AST) -> list[int]:
+    def names_a_backend(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in BACKEND_NAMES
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(names_a_backend(e) for e in node.elts)
+        return False
+
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and any(names_a_backend(n) for n in [node.left, *node.comparators])
+    ]
+
+
+def test_only_the_registry_compares_backend_names():
+    found = {
+        str(MODULES[name].relative_to(PACKAGE.parent)): lines
+        for name, tree in TREES.items()
+        if MODULES[name] != REGISTRY and (lines := _backend_name_comparisons(tree))
+    }
+    assert found == {}, "use the backend's spec (backends/registry.py) instead of its name"
+
+
+def test_the_name_check_finds_a_comparison():
+    assert _backend_name_comparisons(ast.parse("if repl.backend in ('multi-worker', 'x'): pass")) == [1]
+    assert _backend_name_comparisons(ast.parse("if spec.in_processes: pass")) == []
+
+
+def _defined_private_names() -> set[str]:
+    """Every `_name` the workbench defines itself (functions, classes, attributes, variables)."""
+    names = set()
+    for tree in TREES.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.alias):
+                names.add(node.asname or node.name.split(".")[-1])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                names.add(node.value)  # self.__dict__["_x"] = ..., setattr(obj, "_x", ...)
+    return {n for n in names if n.startswith("_")}
+
+
+# Underscored by design, documented as public: os._exit, namedtuple's _fields/_asdict/_replace.
+PUBLIC_UNDERSCORED = {"_exit", "_fields", "_asdict", "_replace", "_make"}
+OURS = _defined_private_names() | PUBLIC_UNDERSCORED
+
+
+def _private_uses(tree: ast.AST) -> list[str]:
+    """Private names of other projects: an attribute `_x` the workbench never defines, the
+    `tensorflow.python` tree, pytest's `_pytest`, CPython's `pythonapi` and `_exitfunc`."""
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            if (private and node.attr not in OURS) or node.attr == "pythonapi":
+                uses.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            uses += [
+                f"{node.lineno}: import {m}"
+                for m in modules
+                if m.startswith(("tensorflow.python", "_pytest"))
+            ]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value.startswith("tensorflow.python"):
+                uses.append(f"{node.lineno}: {node.value!r}")
+    return uses
+
+
+def test_private_names_of_other_projects_only_in_compat():
+    found = {
+        str(MODULES[name].relative_to(PACKAGE.parent)): uses
+        for name, tree in TREES.items()
+        if MODULES[name] != COMPAT and (uses := _private_uses(tree))
+    }
+    assert found == {}, "move each into workbench/_src/compat.py, with the version and the reason"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "opt._clip_gradients(g)",
+        "import tensorflow.python.data",
+        "from _pytest.doctest import DoctestModule",
+        "ctypes.pythonapi.Py_IncRef(x)",
+        "sys.modules.get('tensorflow.python.data.ops.iterator_ops')",
+    ],
+)
+def test_the_private_check_finds_each_kind(source):
+    assert _private_uses(ast.parse(source))
+
+
+def test_the_test_modules_do_not_import_each_other():
+    tests = Path(__file__).resolve().parent
+    test_modules = {p.stem for p in tests.glob("test_*.py")}
+    importing = {}
+    for path in tests.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in test_modules:
+                importing.setdefault(path.name, []).append(node.module)
+            elif isinstance(node, ast.Import):
+                importing.setdefault(path.name, []).extend(
+                    a.name for a in node.names if a.name in test_modules
+                )
+    assert {k: v for k, v in importing.items() if v} == {}, "shared helpers go in tests/helpers.py"

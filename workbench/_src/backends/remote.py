@@ -1,0 +1,174 @@
+"""Backends whose steps, seen from a notebook, run in processes it starts.
+
+Two faces of one backend:
+  - `ProcessBackend` subclasses (MultiWorkerReplicator, MultiWorkerAsyncReplicator) are the
+    in-process face: a strategy and a device map, as every backend. A launched worker, an async
+    coordinator, or any process given `cluster=` is one of them.
+  - `RemoteReplicator` is the notebook's face of every such backend: constructing a process
+    backend with no cluster, outside a launched process, returns one. It holds the backend's
+    `LaunchPlan` (which processes to start) and a Launcher (launch/launcher.py) that starts them,
+    ships the work and relays the run. No TensorFlow-distributed state lives here: context()
+    only records what a cell builds, and train/run go to the processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from workbench._src.backends.registry import spec
+from workbench._src.core.cells import CELL_FILENAME, execute_source
+from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.replicator import Replicator
+from workbench._src.launch import runtime, shipping
+from workbench._src.launch.launcher import Launcher, task_order
+
+
+class LaunchPlan:
+    """What a remote replicator starts, declared by its backend (a dataclass of the backend's
+    settings, e.g. multi_worker.MultiWorkerPlan). Subclasses give the fields and `tasks()`."""
+
+    num_workers: int
+    startup_timeout: float
+    heartbeat_timeout: float
+
+    @property
+    def num_replicas(self) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """The replicator's description (backend options), as its in-process face gives it."""
+        raise NotImplementedError
+
+    def tasks(self) -> list:
+        """The processes of one run (launcher.Task), the chief first."""
+        raise NotImplementedError
+
+    @property
+    def launch_timeout(self) -> float:
+        """How long the launcher waits for every process to be ready."""
+        return self.startup_timeout
+
+
+class ProcessBackend(Replicator):
+    """Base of the backends that have a launch plan (`Plan`: a LaunchPlan subclass whose fields
+    are the constructor's arguments besides `cluster` and the input options)."""
+
+    Plan: type[LaunchPlan]
+
+    def __new__(cls, *args, **kwargs):
+        arguments = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
+        arguments.pop("self")
+        input_options = arguments.pop("input_options", {})
+        if arguments.pop("cluster", None) is None and not runtime.is_launched():
+            return RemoteReplicator(cls.backend, cls.Plan(**arguments), **input_options)
+        return super().__new__(cls)
+
+    # ----- what a launched process's entry point calls ----------------------------------
+    def started_processes(self) -> list[dict]:
+        """Processes this one started itself (reported to the launcher; async-ps: its servers)."""
+        return []
+
+    def close_launched_process(self) -> None:
+        """Called before a launched process exits hard (os._exit skips every finalizer)."""
+
+
+class RemoteReplicator(Replicator):
+    """The notebook's replicator for a backend whose steps run in processes it starts.
+
+    Example:
+      >>> import workbench as wb
+      >>> repl = wb.MultiWorkerReplicator(num_workers=2)
+      >>> type(repl).__name__, repl.backend, repl.num_replicas, repl.runs_in_processes
+      ('RemoteReplicator', 'multi-worker', 2, True)
+    """
+
+    runs_in_processes = True
+
+    def __init__(self, backend: str, plan: LaunchPlan, **input_options):
+        super().__init__(**input_options)
+        self.backend = spec(backend).name
+        self.synchronous = spec(backend).synchronous
+        self.plan = plan
+        self.launcher = Launcher(backend, plan)
+
+    # ----- what the notebook sees --------------------------------------------------------
+    @property
+    def num_replicas(self) -> int:
+        return self.plan.num_replicas
+
+    @property
+    def num_workers(self) -> int:
+        return self.plan.num_workers
+
+    @property
+    def processes(self) -> list[dict]:
+        """Role, index and pid of every process of the last launch."""
+        return self.launcher.last_processes
+
+    def describe(self) -> dict:
+        return self.plan.describe()
+
+    @property
+    def strategy(self):
+        raise ConfigurationError(
+            f"This {self.backend} replicator runs its steps in worker processes that it starts, so "
+            "this process has no strategy to run steps on; step_fn and the primitives run inside "
+            "those processes. Fix: train with a %%replicate cell, repl.train(setup=build, steps=N) "
+            "or repl.train(step_fn, input_fn, steps=N) (functions travel to the workers), or run "
+            "code in every worker with repl.run_on_workers(fn)."
+        )
+
+    @contextlib.contextmanager
+    def context(self):
+        """Variables built inside are plain local ones, recorded: the notebook can inspect the
+        model, each process builds its own, and the trained weights come back into these."""
+        with self._recording_variables():
+            yield self
+
+    # ----- what goes to the processes ----------------------------------------------------
+    def run(self, step_fn, input_fn):
+        per_worker = self.run_on_workers(shipping.OneStep(step_fn, input_fn))
+        return [out for worker in per_worker for out in worker]
+
+    def run_on_workers(self, fn, *, timeout: float | None = None) -> list:
+        results = self.launcher.launch(self._work(shipping.CallWork(fn)), timeout=timeout)
+        return [results[task] for task in sorted(results, key=task_order)]
+
+    def train(self, step_fn=None, input_fn=None, steps=None, *, setup=None, **options):
+        self._check_train_arguments(step_fn, input_fn, setup)
+        work = shipping.TrainWork(step_fn=step_fn, input_fn=input_fn, setup=setup)
+        return self.launcher.train(self, self._work(work), steps, options, local_variables=None)
+
+    def train_cell(self, source: str, namespace: dict, steps: int, *, filename=None, **options):
+        setup, local_variables = self.setup_from_cell(source, namespace, filename)
+        work = self._work(shipping.TrainWork(setup=setup))
+        return self.launcher.train(self, work, steps, options, local_variables=local_variables)
+
+    def setup_from_cell(self, source: str, namespace: dict, filename: str | None = None):
+        """Runs a cell's source here, in this replicator's recording context, so its mistakes show
+        at once and the notebook gets its names (and `model`); returns (a CellSetup that rebuilds
+        the cell in each process with the notebook's picklable names, the variables made here)."""
+        filename = filename or CELL_FILENAME
+        namespace.setdefault("repl", self)
+        first = len(self._created_variables)
+        with self.context():
+            execute_source(source, namespace, filename)
+        shipped, _skipped = shipping.picklable_namespace(namespace)
+        return shipping.CellSetup(source, shipped, filename), self._created_variables[first:]
+
+    def _work(self, work):
+        work.replicator_options = {
+            "input_replication": self.input_replication,
+            "input_split_fn": self.input_split_fn,
+        }
+        return work
+
+    def __reduce__(self):
+        # A replicator inside a function that travels to the processes becomes, there, the
+        # process's own replicator (the in-process face of the same backend).
+        return (runtime.process_replicator, ())
+
+    def __repr__(self):
+        details = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "backend")
+        return f"RemoteReplicator({self.backend!r}, {details}, steps in worker processes)"

@@ -1,0 +1,74 @@
+"""Every use of a private TensorFlow, Keras or CPython name, in one place.
+
+Each entry says what it reaches into, the version it was checked on, why no public API does it,
+and when it can go. An upgrade that breaks one breaks it here, with the reason next to it. The
+suite's import check (tests/test_layers.py) fails on a private use anywhere else.
+
+Checked on TensorFlow 2.21.0, Keras 3.15.1, CPython 3.11.7.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import weakref
+
+
+def keep_forever(obj) -> None:
+    """CPython: adds a reference that is never released, so the object's destructor never runs,
+    not even at interpreter finalization. Why: deleting a tf.data iterator resource at exit waits
+    for tf.data's threads (20-40 s measured); nothing public leaks an object on purpose. Remove
+    when TensorFlow's iterator deletion stops blocking (core/reaper.py)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def run_weakref_finalizers() -> None:
+    """CPython: runs the weakref.finalize callbacks registered for exit (temporary folders...)
+    now, before an os._exit that would skip them. `weakref.finalize._exitfunc` is what atexit
+    calls; there is no public name for it. Remove with the reaper's early exit."""
+    weakref.finalize._exitfunc()
+
+
+def owned_iterator_class():
+    """TensorFlow: the class of tf.data's Python iterators (`OwnedIterator`), or None when
+    TensorFlow is not imported or moved it. Why: the reaper must find iterators nobody tracks (a
+    user's own); tf.data exports no iterator base class. Remove with the reaper's early exit."""
+    iterator_ops = sys.modules.get("tensorflow.python.data.ops.iterator_ops")
+    return getattr(iterator_ops, "OwnedIterator", None)
+
+
+def is_composite_tensor(value) -> bool:
+    """TensorFlow: a composite tensor (SparseTensor, RaggedTensor, a distributed value) carries a
+    `_type_spec`; `tf.__internal__.CompositeTensor` is no more public. Checked on 2.21."""
+    return hasattr(value, "_type_spec")
+
+
+def keras_clip_gradients(optimizer, grads):
+    """Keras 3: the optimizer's own clipping (clipnorm, clipvalue, global_clipnorm), applied to
+    the cross-replica mean so that clipping acts as on one device (core/optimizer.py). Keras
+    applies it only inside apply(); there is no public clip function. Checked on 3.15.1."""
+    return optimizer._clip_gradients(grads)
+
+
+def keras_optimizer_variables(optimizer):
+    """Keras 3: the variables an optimizer was built for (apply() without trainable_variables
+    uses them). No public attribute; checked on 3.15.1."""
+    return optimizer._trainable_variables
+
+
+def checkpoint_children(checkpoint) -> dict:
+    """TensorFlow: what a tf.train.Checkpoint was built with, by name. No public accessor; checked
+    on 2.21. Remove if tf.train.Checkpoint gains one."""
+    return dict(checkpoint._trackable_children())
+
+
+def keras_apply_owner():
+    """Keras 3: the class on Optimizer's MRO that defines `apply` (the TensorFlow backend's base,
+    where gradients are summed over replicas), and that method. The loss-scaling check
+    (numerics/gradient_recorder.py) patches it there for the duration of one `with` block: a
+    plain optimizer is the user's own object, reached only through step_fn's closure, so the
+    class is the one place every plain Keras optimizer passes through. Checked on 3.15.1."""
+    import keras
+
+    owner = next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in c.__dict__)
+    return owner, owner.__dict__["apply"]
