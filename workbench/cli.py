@@ -6,20 +6,21 @@ import argparse
 import sys
 
 RUN_EXAMPLES = """examples:
-  workbench run train.py --backend mirrored --replicas 4 --steps 500
-  workbench run train.py --backend multi-worker --workers 2 --steps 500
-  workbench run train.py --backend async-ps --workers 2 --ps 1 --steps 500
+  workbench run examples/train.py --backend mirrored --replicas 4 --steps 500
+  workbench run examples/train.py --backend multi-worker --workers 2 --steps 500
+  workbench run examples/train.py --backend async-ps --workers 2 --ps 1 --steps 500
   # on a real cluster, every host runs the same line with its own TF_CONFIG (or under srun):
-  workbench run train.py --backend multi-worker --cluster TF_CONFIG --steps 500
+  workbench run examples/train.py --backend multi-worker --cluster TF_CONFIG --steps 500
 
 FILE.py is run inside the replicator's context (as a %%replicate cell is): it builds its model
 and optimizer and defines input_fn(ctx) and step_fn(batch); `repl` (or wb.current()) is the
-replicator. It may be run once per worker process, so keep other side effects out of it."""
+replicator. It may be run once per worker process, so keep other side effects out of it.
+examples/train.py (in the repository) is such a file: an MLP on scikit-learn's digits."""
 
 SCALE_EXAMPLES = """examples:
-  workbench scale train.py --replicas 1,2,4,8 --mode weak --batch-size 32
-  workbench scale train.py --backend multi-worker --replicas 1,2 --mode strong --batch-size 256
-  workbench scale train.py --replicas 1,2,4 --out study.png --csv study.csv
+  workbench scale examples/train.py --replicas 1,2,4,8 --mode weak --batch-size 32
+  workbench scale examples/train.py --backend multi-worker --replicas 1,2 --mode strong --batch-size 256
+  workbench scale examples/train.py --replicas 1,2,4 --out study.png --csv study.csv
 
 FILE.py is run once per configuration inside that configuration's replicator context (on
 multi-worker, in its worker processes), after seeding: it builds its model and optimizer and

@@ -1,0 +1,190 @@
+"""The README runs as written: every code block, top to bottom, as a new user would try it.
+
+- Python blocks whose first line is not a magic run as scripts, each in its own `python` process.
+- Blocks whose first line is a magic (`%load_ext`, `%replicate`, `%%replicate`) are notebook
+  cells: they run one after another in one real kernel (nbclient, kernel python3), as pasted.
+- Bash blocks run in a shell when every line is a cheap `workbench run/scale examples/...`
+  command; the others are in NOT_RUN with the reason (and what checks them instead).
+
+A block that fits none of these fails `test_every_block_is_run_or_says_why_not`, so a new block
+cannot slip in untested. Everything runs in a temporary folder (holding a link to the
+repository's examples/, so the commands run as written) with a private, empty TMPDIR that must
+be empty again afterwards: the README's runs leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+# TensorFlow's start-up noise (as tests/test_quiet_logs.py): the README says it is held back.
+NOISE = re.compile(r"^[EWF]\d{4} [\d:.]+|absl::InitializeLog|cuInit|^WARNING:absl", re.M)
+
+# Bash blocks not run here, by a line they hold: why, and what checks them instead.
+NOT_RUN = {
+    "pip install -e . && workbench demo": "installs the package; `workbench demo` is tests/test_cli.py's",
+    'pip install -e ".[test]" && python -m pytest': "the test command itself (.ci/run runs it; "
+    "test_ci_runs_the_readmes_test_command checks they agree)",
+    'python -m pytest -m "not slow"': "the fast lane: the tests themselves",
+    "--cluster TF_CONFIG": "needs two hosts named gpu-a and gpu-b",
+}
+CHEAP_COMMAND = re.compile(r"^workbench (run|scale) examples/\S+\.py( |$)")
+
+
+def readme_blocks(text: str | None = None) -> list[dict]:
+    """The fenced code blocks of the README: language, source and the line the source starts on."""
+    text = README.read_text() if text is None else text
+    blocks = []
+    for match in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S):
+        line = text.count("\n", 0, match.start(2)) + 1
+        blocks.append({"lang": match.group(1), "source": match.group(2), "line": line})
+    return blocks
+
+
+def kind(block: dict) -> str:
+    """'script', 'cell' (notebook), 'bash' (run), 'not run: why', or 'unknown: why'."""
+    lines = [ln for ln in block["source"].splitlines() if ln.strip()]
+    if block["lang"] == "python":
+        return "cell" if lines and lines[0].startswith("%") else "script"
+    if block["lang"] == "bash":
+        for marker, why in NOT_RUN.items():
+            if marker in block["source"]:
+                return f"not run: {why}"
+        commands = [ln for ln in lines if not ln.lstrip().startswith("#")]
+        if commands and all(CHEAP_COMMAND.match(ln) for ln in commands):
+            return "bash"
+        return (
+            "unknown: a bash block that is neither a cheap `workbench run/scale examples/...` nor in NOT_RUN"
+        )
+    return f"unknown: a block in language {block['lang']!r} (give it python or bash)"
+
+
+def blocks_of(wanted: str) -> list[dict]:
+    return [b for b in readme_blocks() if kind(b) == wanted]
+
+
+def block_id(block: dict) -> str:
+    return f"README.md:{block['line']}"
+
+
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    """A working folder as on a fresh clone (examples/ beside it), with a private TMPDIR that must
+    be empty when the test ends, and runs recorded in the folder (not the repository's runs/)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "examples").symlink_to(ROOT / "examples")
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(work / "runs"))
+    for name in ("TF_CPP_MIN_LOG_LEVEL", "WORKBENCH_TF_LOGS"):  # as a user's shell has them
+        monkeypatch.delenv(name, raising=False)
+    yield work
+    left = sorted(str(p.relative_to(private_tmp)) for p in private_tmp.rglob("*"))
+    assert not left, f"the README's block left {len(left)} file(s) in its TMPDIR: {left[:10]}"
+
+
+def test_every_block_is_run_or_says_why_not():
+    blocks = readme_blocks()
+    unknown = [f"{block_id(b)} {kind(b)}" for b in blocks if kind(b).startswith("unknown")]
+    assert not unknown, "\n".join(unknown)
+    kinds = [kind(b) for b in blocks]
+    assert kinds.count("script") >= 2 and kinds.count("cell") >= 4 and kinds.count("bash") >= 1, kinds
+
+
+def test_ci_runs_the_readmes_test_command():
+    (test_block,) = [b for b in readme_blocks() if "python -m pytest\n" in b["source"]]
+    ci = (ROOT / ".ci" / "run").read_text()
+    for line in test_block["source"].splitlines():
+        command = line.split("#", 1)[0].strip()
+        if command.startswith("apt-get"):
+            assert "apt-get update" in ci and "apt-get install -y -qq chromium" in ci  # same, quietly
+        elif command:
+            assert command in ci.splitlines(), f".ci/run does not run the README's {command!r}"
+
+
+def test_the_examples_the_help_and_the_readme_name_exist():
+    help_text = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "run", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "workbench run examples/train.py --backend multi-worker --workers 2" in help_text
+    named = set(re.findall(r"workbench (?:run|scale) (\S+\.py)", README.read_text() + help_text))
+    assert named == {"examples/train.py"}, named
+    assert (ROOT / "examples" / "train.py").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", blocks_of("script"), ids=block_id)
+def test_python_block_runs_as_a_script(block, user_folder):
+    script = user_folder / f"readme_line_{block['line']}.py"
+    script.write_text(block["source"])
+    done = subprocess.run(
+        [sys.executable, script.name], cwd=user_folder, capture_output=True, text=True, timeout=900
+    )
+    where = f"{block_id(block)} (a Python block, run as a script) "
+    assert done.returncode == 0, where + f"failed:\n{done.stderr[-4000:]}"
+    assert done.stdout.strip(), where + "printed nothing"
+    assert not NOISE.search(done.stderr), (
+        where + f"printed TensorFlow's start-up lines:\n{done.stderr[-3000:]}"
+    )
+
+
+@pytest.mark.slow
+def test_notebook_blocks_run_in_one_kernel(user_folder):
+    cells = blocks_of("cell")
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(b["source"]) for b in cells]
+    client = NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(user_folder)}}
+    )
+    with client.setup_kernel():
+        for index, (cell, block) in enumerate(zip(nb.cells, cells)):
+            failure = None
+            try:
+                client.execute_cell(cell, index)
+            except CellExecutionError as error:
+                failure = f"{block_id(block)} (a notebook cell) failed:\n{error}"
+            if failure:  # (outside the except: the message alone, without nbclient's traceback)
+                pytest.fail(failure, pytrace=False)
+            stderr = "".join(o.get("text", "") for o in cell.outputs if o.get("name") == "stderr")
+            assert not NOISE.search(stderr), (
+                f"{block_id(block)} printed TensorFlow's start-up lines:\n{stderr}"
+            )
+    results = [
+        "".join(
+            o.get("data", {}).get("text/plain", "") for o in c.outputs if o.output_type == "execute_result"
+        )
+        for c in nb.cells
+    ]
+    assert sum("<wb.Run" in r and "finished" in r for r in results) >= 2, results  # the training cells
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", blocks_of("bash"), ids=block_id)
+def test_cheap_bash_block_runs_as_written(block, user_folder):
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block["source"]],
+        cwd=user_folder,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, f"{block_id(block)} (bash) failed:\n{done.stderr[-4000:]}"
+    for line in block["source"].splitlines():  # files the commands were asked to write
+        words = shlex.split(line, comments=True)
+        for flag in ("--history", "--csv", "--out"):
+            if flag in words:
+                assert (user_folder / words[words.index(flag) + 1]).is_file(), line
