@@ -48,6 +48,8 @@ def test_workbench_scale_bad_input_says_what_and_how():
     out = subprocess.run(
         ["workbench", "scale", TOY_SCRIPT, "--replicas", "1,two"], capture_output=True, text=True, timeout=60
     )
-    assert out.returncode == 2 and "--replicas takes counts like 1,2,4; received '1,two'" in out.stderr
+    # the same declaration and message as %replicate --scaling 1,two (workbench/_src/options.py)
+    assert out.returncode == 2 and "--replicas" in out.stderr
+    assert "expected replica counts separated by commas, such as 1,2,4,8; received '1,two'" in out.stderr
     out = subprocess.run(["workbench", "scale", "missing.py"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such file: 'missing.py'" in out.stderr

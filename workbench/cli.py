@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from workbench._src import options
+from workbench._src.backends import registry
+
 RUN_EXAMPLES = """examples:
   workbench run examples/train.py --backend mirrored --replicas 4 --steps 500
   workbench run examples/train.py --backend multi-worker --workers 2 --steps 500
@@ -41,16 +44,19 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("file", help="a Python file defining input_fn and step_fn")
-    run.add_argument(
-        "--backend", "-b", default="mirrored", help="single | mirrored | multi-worker | async-ps | tpu"
+    options.add_arguments(
+        run,
+        options.BACKEND.but(default="mirrored"),
+        *options.WHERE[1:],
+        options.STEPS.but(required=True),
+        options.STEPS_PER_EXECUTION,
+        options.CHECKPOINT,
+        options.NAME,
+        options.TAGS,
     )
-    run.add_argument("--replicas", "-r", type=int, help="replicas (mirrored); default: every device")
-    run.add_argument("--workers", type=int, help="worker processes (multi-worker, async-ps)")
-    run.add_argument("--ps", type=int, help="parameter servers (async-ps)")
-    run.add_argument("--steps", "-s", type=int, required=True)
-    run.add_argument("--steps-per-execution", default="auto", help="steps fused per call, or auto")
-    run.add_argument("--checkpoint", metavar="DIR", help="save checkpoints in DIR (and resume from it)")
-    run.add_argument("--checkpoint-every", type=int, metavar="N", help="also save every N steps")
+    run.add_argument(
+        "--checkpoint-every", type=options.positive_int, metavar="N", help="also save every N steps"
+    )
     run.add_argument("--history", metavar="CSV", help="write the run's history to this CSV file")
     run.add_argument(
         "--cluster",
@@ -65,13 +71,20 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     scale.add_argument("file", help="a Python file building its model and defining input_fn and step_fn")
-    scale.add_argument("--backend", "-b", default="mirrored", help="mirrored | multi-worker | single | tpu")
-    scale.add_argument("--replicas", "-r", default="1,2,4,8", help="replica counts, e.g. 1,2,4,8")
-    scale.add_argument("--mode", choices=["weak", "strong"], default="weak")
-    scale.add_argument("--batch-size", type=int, default=32, help="per replica (weak) or global (strong)")
-    scale.add_argument("--steps", "-s", type=int, default=50, help="measured steps per configuration")
-    scale.add_argument("--warmup", type=int, default=10, help="untimed steps first (tracing)")
-    scale.add_argument("--steps-per-execution", type=int, default=10)
+    options.add_arguments(
+        scale,
+        options.BACKEND.but(default="mirrored", help=" | ".join(registry.names(synchronous=True))),
+        options.REPLICAS.but(
+            type=options.replica_counts, default=[1, 2, 4, 8], metavar="1,2,4,8", help="replica counts"
+        ),
+        options.STEPS.but(default=50, help="measured steps per configuration"),
+        options.STEPS_PER_EXECUTION.but(
+            default=10, help="steps fused per compiled call, or auto (default 10)"
+        ),
+        options.MODE.but(default="weak"),
+        options.WARMUP.but(default=10),
+        options.BATCH_SIZE.but(default=32, help="per replica (weak) or global (strong)"),
+    )
     scale.add_argument("--out", default="scaling.png", help="where to write the figure PNG")
     scale.add_argument("--csv", help="also write the table to this CSV file")
     scale.add_argument("--threads", type=int, help="TensorFlow threads per worker (multi-worker)")

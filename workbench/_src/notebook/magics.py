@@ -17,13 +17,13 @@ The study forms live in `magic_studies.py`. Mistakes raise UsageError (IPython s
 
 from __future__ import annotations
 
-import argparse
 import difflib
 
 from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from workbench._src import options
 from workbench._src.core import cells
 from workbench._src.core.errors import ConfigurationError, DeviceError
 from workbench._src.notebook import magic_studies, session
@@ -42,47 +42,6 @@ USAGE = """Usage:
 Every option: %replicate?"""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, received {text!r}")
-    return value
-
-
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of steps such as 300, received {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number of steps, received {text!r}")
-    return value
-
-
-def _steps_per_execution(text: str):
-    return "auto" if text.strip().lower() == "auto" else _positive_int(text)
-
-
-def _replica_counts(text: str) -> list[int]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        counts = [int(p) for p in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected replica counts separated by commas, such as 1,2,4,8; received {text!r}"
-        ) from None
-    if not counts or any(n < 1 for n in counts):
-        raise argparse.ArgumentTypeError(
-            f"expected positive replica counts separated by commas, such as 1,2,4,8; received {text!r}"
-        )
-    return counts
-
-
 @magics_class
 class ReplicateMagics(Magics):
     """The workbench's magics; registered by `%load_ext workbench`."""
@@ -94,50 +53,27 @@ class ReplicateMagics(Magics):
         help="step_fn input_fn: names of notebook functions to train or study (line form); "
         "with --compare: setup input_fn",
     )
-    @magic_arguments.argument(
-        "--backend",
-        "-b",
-        metavar="NAME",
-        help="single | mirrored | multi-worker | async-ps | tpu (default: the session's)",
-    )
-    @magic_arguments.argument(
-        "--replicas",
-        "-r",
-        type=_positive_int,
-        metavar="N",
-        help="replicas (default: every device the backend can use)",
-    )
-    @magic_arguments.argument(
-        "--workers", type=_positive_int, metavar="N", help="worker processes (multi-worker, async-ps)"
-    )
-    @magic_arguments.argument("--ps", type=_positive_int, metavar="N", help="parameter servers (async-ps)")
-    @magic_arguments.argument(
-        "--steps",
-        "-s",
-        type=_steps,
-        metavar="N",
-        help="train this many steps (training forms); measured steps per configuration "
-        "(--scaling, default 50); steps compared (--compare, default 1)",
+    @options.magic_arguments(
+        options.BACKEND.but(help=options.BACKEND.kwargs["help"] + " (default: the session's)"),
+        options.REPLICAS,
+        options.WORKERS,
+        options.PS,
+        options.STEPS.but(
+            help="train this many steps (training forms); measured steps per configuration "
+            "(--scaling, default 50); steps compared (--compare, default 1)"
+        ),
+        options.STEPS_PER_EXECUTION,
+        options.CHECKPOINT,
+        options.NAME,
+        options.TAGS,
     )
     @magic_arguments.argument(
         "--scaling",
-        type=_replica_counts,
+        type=options.replica_counts,
         metavar="1,2,4,8",
         help="scaling study over these replica counts (wb.scaling_study); returns a wb.ScalingStudy",
     )
-    @magic_arguments.argument(
-        "--mode", choices=("weak", "strong"), help="--scaling: weak (default) or strong scaling"
-    )
-    @magic_arguments.argument(
-        "--warmup", type=_positive_int, metavar="N", help="--scaling: untimed steps first (default 10)"
-    )
-    @magic_arguments.argument(
-        "--batch-size",
-        type=_positive_int,
-        metavar="B",
-        help="--scaling: batch per replica (weak) or global (strong), default 32; input_fn reads "
-        "ctx.global_batch_size",
-    )
+    @options.magic_arguments(*options.STUDY)
     @magic_arguments.argument(
         "--compare",
         action="store_true",
@@ -145,23 +81,11 @@ class ReplicateMagics(Magics):
         "the DataFrame of differences",
     )
     @magic_arguments.argument(
-        "--steps-per-execution",
-        type=_steps_per_execution,
-        metavar="K",
-        default="auto",
-        help="steps fused per compiled call, or auto (default)",
-    )
-    @magic_arguments.argument(
         "--background",
         action="store_true",
         help="return the run at once and train in a thread (run.stop(), run.wait())",
     )
     @magic_arguments.argument("--no-live", action="store_true", help="no live dashboard and progress bar")
-    @magic_arguments.argument("--name", metavar="NAME", help="the run's name (unique in the run store)")
-    @magic_arguments.argument("--tags", metavar="A,B", help="the run's tags, separated by commas")
-    @magic_arguments.argument(
-        "--checkpoint", metavar="DIR", help="save checkpoints in DIR (and resume from it)"
-    )
     @magic_arguments.argument(
         "--logdir", metavar="DIR", help="record this run under DIR/<run id> instead of the runs directory"
     )

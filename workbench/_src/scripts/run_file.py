@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 from workbench._src.backends import registry
 from workbench._src.core.errors import WorkbenchError
+from workbench._src.sinks.progress import ProgressPrinter
 
 
 def run_file(args) -> int:
@@ -34,8 +34,10 @@ def run_file(args) -> int:
         repl = _make_replicator(args)
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         options = {
-            "steps_per_execution": _spe(args.steps_per_execution),
-            "sinks": [_ProgressPrinter(args.steps)],
+            "steps_per_execution": args.steps_per_execution,
+            "sinks": [ProgressPrinter(args.steps)],
+            "name": args.name,
+            "tags": tuple(t.strip() for t in (args.tags or "").split(",") if t.strip()),
         }
         if args.checkpoint:
             options["checkpoint_dir"] = args.checkpoint
@@ -68,14 +70,7 @@ def scale_file(args) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        counts = [int(n) for n in args.replicas.split(",")]
-    except ValueError:
-        print(
-            f"workbench scale: --replicas takes counts like 1,2,4; received {args.replicas!r}.",
-            file=sys.stderr,
-        )
-        return 2
+    counts = args.replicas  # a list: options.replica_counts parsed it
     from workbench._src.core import tf_setup
     from workbench._src.launch.shipping import CellSetup
     from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
@@ -119,40 +114,3 @@ def _make_replicator(args):
     if registry.spec(args.backend).in_processes:
         extra["startup_timeout"] = args.startup_timeout
     return registry.replicator(args.backend, num_replicas=args.replicas, **extra)
-
-
-def _spe(text: str):
-    return "auto" if str(text).lower() == "auto" else int(text)
-
-
-class _ProgressPrinter:
-    """One line per second at most: steps of the run, metrics, and the run's figures (the same
-    definitions as every other view: workbench/_src/core/run_stats.py)."""
-
-    def __init__(self, steps: int):
-        self.steps, self.last = steps, 0.0
-        self.columns: dict[str, list] = {"wall_time": [], "examples_per_sec": []}
-
-    def __call__(self, event) -> None:
-        from workbench._src.core.run_stats import describe, figures
-
-        if event.kind == "message":
-            print(f"[workbench] {event.data.get('text')}", flush=True)
-        if event.kind != "metrics" or not event.data["rows"]:
-            return
-        for row in event.data["rows"]:
-            self.columns["wall_time"].append(row["wall_time"])
-            self.columns["examples_per_sec"].append(row.get("examples_per_sec", float("nan")))
-        now = time.monotonic()
-        done = len(self.columns["wall_time"])
-        if now - self.last < 1.0 and done < self.steps:
-            return
-        self.last = now
-        row = event.data["rows"][-1]
-        metrics = " ".join(
-            f"{k} {v:.4g}"
-            for k, v in row.items()
-            if k not in ("step", "wall_time", "examples_per_sec", "workers")
-        )
-        figs = figures(self.columns, running=done < self.steps, target_steps=self.steps)
-        print(f"step {done}/{self.steps} {metrics} \u00b7 {describe(figs)}", flush=True)

@@ -278,7 +278,7 @@ def scaling_study(
 
     from workbench._src.core.run_stats import figures
     from workbench._src.core.tf_setup import device_summary
-    from workbench._src.plots.scaling_plot import live_sink
+    from workbench._src.sinks.scaling_live import live_sink
 
     counts = _check_arguments(replicas, mode, batch_size, steps, warmup, steps_per_execution)
     if setup is None and (step_fn is None or input_fn is None):
