@@ -679,6 +679,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                 rows = sidebar.locator(".wb-stored-run")
                 expect(rows.locator(".wb-stored-name")).to_have_text(["shared (2)", "shared"])
                 table = sidebar.locator(".wb-runs-table")
+                page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
                 assert table.evaluate("t => t.scrollWidth <= t.parentElement.clientWidth + 1"), (
                     "table overflows"
                 )
@@ -708,13 +709,17 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                 view = page.locator(".wb-compare-view")
                 expect(view.locator("img")).to_be_visible()
                 expect(view.locator(f"tr[data-run-id='{run_b}'] td").first).to_have_text("from b")
-                expect(view.locator("tr[data-run-id] td:first-child")).to_have_text(["shared", "from b"])
+                expect(view.locator("tr[data-run-id] td:first-child")).to_have_text(
+                    ["from b", "shared"]
+                )  # in the order picked
                 page.screenshot(path=str(SCREENSHOTS / "identity-compare.png"))
                 tab("b.ipynb").click()
 
                 # Delete the renamed run: its card leaves this kernel's tab at once.
-                for box in rows.locator(".wb-pick-run:checked").all():
-                    box.uncheck()
+                picked = rows.locator(".wb-pick-run:checked")
+                for left in (1, 0):  # a click redraws the table: click, then count again
+                    picked.first.click()
+                    expect(picked).to_have_count(left)
                 renamed.locator(".wb-pick-run").check()
                 sidebar.locator(".wb-delete").click()
                 page.locator(".jp-Dialog .jp-mod-warn").click()

@@ -51,15 +51,14 @@ export interface ISidebarActions {
 
 /**
  * The table's columns: few and narrow, so all fit the default sidebar width; the rest of a
- * run's configuration (source, start, global batch, steps per execution, steps/s) is under its
- * name and in its tooltip, and every one of them can be filtered on with the text box.
+ * run's configuration (source, start, global batch, steps per execution, steps/s, loss) is under
+ * its name and in its tooltip, and every one of them can be filtered on with the text box.
  */
 const TABLE_COLUMNS: [SortKey, string][] = [
   ['name', 'run'],
   ['replicas', 'config'],
   ['steps', 'steps'],
-  ['examples_per_sec', 'ex/s'],
-  ['loss', 'loss']
+  ['examples_per_sec', 'ex/s']
 ];
 
 type Tab = 'kernel' | 'store';
@@ -277,15 +276,14 @@ export class ReplicatorSidebar extends Widget {
         name,
         el('td', 'wb-col-config', describeConfig(row)),
         el('td', 'wb-col-steps', formatCount(row.steps)),
-        el('td', 'wb-col-examples_per_sec', formatNumber(row.examples_per_sec)),
-        el('td', 'wb-col-loss', formatNumber(row.loss))
+        el('td', 'wb-col-examples_per_sec', formatNumber(row.examples_per_sec))
       );
       tr.title = [
         `${row.name ?? row.id} (${row.id})`,
         `status: ${row.status ?? '?'}`,
         `${describeReplicas(row.backend, row.replicas, row.workers)}${row.ps ? ` \u00b7 ${row.ps} ps` : ''}`,
         `global batch ${formatCount(row.global_batch)} \u00b7 steps/execution ${row.steps_per_execution ?? '\u2013'}`,
-        `${formatNumber(row.steps_per_sec)} steps/s \u00b7 ${formatNumber(row.examples_per_sec)} examples/s`,
+        `${formatNumber(row.steps_per_sec)} steps/s \u00b7 ${formatNumber(row.examples_per_sec)} examples/s \u00b7 loss ${formatNumber(row.loss)}`,
         `source: ${row.source ?? '\u2013'}`,
         `tags: ${row.tags || '\u2013'}`
       ].join('\n');
