@@ -1,0 +1,99 @@
+"""Nothing is left behind: a run, a launched process or a failed run leaves its TMPDIR as it found
+it. TensorFlow's AutoGraph writes a `__autograph_generated_file*.py` per converted function into
+the temp folder and removes them only at a normal interpreter exit, which launched processes
+never have; each launched process therefore gets a temp folder of its own (processes.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from workbench._src.launch.processes import ProcessGroup
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = str(ROOT / "examples" / "train.py")
+
+# A launched process that writes into its temp folder (as AutoGraph does), says where, and waits.
+CHILD = """
+import sys, tempfile, time
+with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+    f.write("# as AutoGraph leaves them")
+print(tempfile.gettempdir(), f.name, flush=True)
+time.sleep(600)
+"""
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_killed_process_leaves_no_temp_files(tmp_path, monkeypatch):
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))  # where the group makes its folders
+    (tmp_path / "child_module.py").write_text(CHILD)
+    group = ProcessGroup("test", private_network=False)
+    child = group.start("worker", 0, "child_module", {"PYTHONPATH": str(tmp_path)})
+    deadline = time.monotonic() + 60
+    while not child.log_path.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child_tmp, written = child.log_path.read_text().split()
+    # Its own folder, inside ours, holding what it wrote.
+    assert Path(child_tmp) == child.tmp_dir and private in child.tmp_dir.parents
+    assert Path(written).parent == child.tmp_dir and Path(written).exists()
+    os.kill(child.pid, signal.SIGKILL)  # no chance to clean up: the group does it
+    child.popen.wait(10)
+    group.stop()
+    assert leftovers(private) == []
+
+
+FAILING = """
+import keras
+import tensorflow as tf
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.1))
+
+def input_fn(ctx):
+    return tf.data.Dataset.from_tensors(tf.ones((8, 4))).repeat()
+
+def step_fn(x):
+    tf.debugging.assert_less(tf.reduce_sum(x), 0.0, message="a deliberate failure")
+    return {"loss": tf.reduce_mean(model(x))}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, fails",
+    [
+        pytest.param([TRAIN, "--backend", "multi-worker", "--workers", "2"], False, id="multi-worker"),
+        pytest.param([TRAIN, "--backend", "async-ps", "--workers", "2", "--ps", "1"], False, id="async-ps"),
+        pytest.param(["failing.py", "--backend", "multi-worker", "--workers", "2"], True, id="failed-run"),
+    ],
+)
+def test_workbench_run_leaves_its_tmpdir_empty(args, fails, tmp_path):
+    private = tmp_path / "tmp"
+    private.mkdir()
+    (tmp_path / "failing.py").write_text(FAILING)
+    env = {**os.environ, "TMPDIR": str(private), "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")}
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "run", *args, "--steps", "20"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if fails:
+        assert done.returncode == 1 and "a deliberate failure" in done.stderr, done.stderr[-3000:]
+    else:
+        assert done.returncode == 0 and '"status": "finished"' in done.stdout, done.stderr[-3000:]
+    assert leftovers(private) == [], f"left in TMPDIR: {leftovers(private)[:10]}"
