@@ -57,3 +57,12 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_sessionfinish(session, exitstatus):
     if _runs_dir is not None:
         shutil.rmtree(_runs_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
+def pytest_collection_modifyitems(config, items):
+    # Every tutorial starts a kernel and trains for real (tens of seconds each): the fast lane
+    # leaves the notebooks to the full suite.
+    for item in items:
+        if _is_notebook_cell(item):
+            item.add_marker(pytest.mark.slow)
