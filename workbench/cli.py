@@ -7,6 +7,8 @@ import sys
 
 from workbench._src import options
 from workbench._src.backends import registry
+from workbench._src.scripts.demo import demo as run_demo
+from workbench._src.scripts.run_file import run_file, scale_file
 
 RUN_EXAMPLES = """examples:
   workbench run examples/train.py --backend mirrored --replicas 4 --steps 500
@@ -91,15 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--cpus", type=int, help="virtual CPU devices here (mirrored; default max(8, counts))")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from workbench._src.scripts.demo import demo as run_demo
-
         run_demo(replicas=args.replicas, steps=args.steps, out=args.out)
         return 0
     if args.command == "scale":
-        from workbench._src.scripts.run_file import scale_file
-
         return scale_file(args)
-    from workbench._src.scripts.run_file import run_file
 
     return run_file(args)
 

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from workbench._src.core.errors import InputError, WorkerError
+from workbench._src.core.inputs import InputContext, call_input_fn
 from workbench._src.core.program import Program, _is_infinite, call_compiled
 from workbench._src.core.tf_setup import tf
 
@@ -26,7 +27,6 @@ class AsyncProgram(Program):
         t = tf()
         strategy = replicator.strategy
         coordinator = replicator.coordinator
-        from workbench._src.core.inputs import InputContext, call_input_fn
 
         ctx = InputContext(None, replicator.num_workers, 0, replicator.num_workers, 1)
 

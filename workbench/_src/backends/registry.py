@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 
 from workbench._src.core.errors import ConfigurationError, check_positive_int
+from workbench._src.core.tf_setup import tf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,6 @@ class BackendSpec:
 def _tpu_unavailable() -> str | None:
     if os.environ.get("TPU_NAME"):
         return None
-    from workbench._src.core.tf_setup import tf
 
     if not tf().config.list_logical_devices("TPU"):
         return "no TPU in this process and TPU_NAME is not set"

@@ -30,6 +30,7 @@ import threading
 import weakref
 
 from workbench._src.core import reaper
+from workbench._src.core.errors import ConfigurationError
 
 # replicator -> {cell key: _Owned}; weak, so a replicator nobody uses is not kept alive here
 CELL_FILENAME = "<%%replicate cell>"
@@ -45,7 +46,6 @@ def execute_source(source, namespace: dict, filename: str = CELL_FILENAME) -> di
 
 def functions_defined(namespace: dict, where: str = "The %%replicate cell"):
     """(step_fn, input_fn) a cell defined; a ConfigurationError naming what is missing."""
-    from workbench._src.core.errors import ConfigurationError
 
     missing = [n for n in ("step_fn", "input_fn") if not callable(namespace.get(n))]
     if missing:
@@ -60,7 +60,6 @@ def functions_defined(namespace: dict, where: str = "The %%replicate cell"):
 
 def functions_from_setup(built):
     """(step_fn, input_fn) from what setup(repl) returned."""
-    from workbench._src.core.errors import ConfigurationError
 
     if isinstance(built, dict) and "step_fn" in built and "input_fn" in built:
         return built["step_fn"], built["input_fn"]

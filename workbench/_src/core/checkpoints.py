@@ -22,6 +22,7 @@ import os
 
 from workbench._src import compat
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.optimizer import ReplicatedOptimizer
 from workbench._src.core.tf_setup import tf
 
 STEP = "step"  # the workbench's step counter entry
@@ -100,7 +101,6 @@ def named_items(replicator, items) -> dict:
             "tf.train.Checkpoint(step=tf.Variable(0, dtype=tf.int64))."
         )
     # A wrapped optimizer is not itself trackable: its Keras optimizer holds the state.
-    from workbench._src.core.optimizer import ReplicatedOptimizer
 
     return {k: v.optimizer if isinstance(v, ReplicatedOptimizer) else v for k, v in items.items()}
 

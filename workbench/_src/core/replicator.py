@@ -22,7 +22,7 @@ from typing import Literal
 
 from workbench._src.backends.registry import names, spec
 from workbench._src.core import cells, primitives, run_loop
-from workbench._src.core.checkpoints import Saver, named_items
+from workbench._src.core.checkpoints import Saver, named_items, restore_latest
 from workbench._src.core.errors import ConfigurationError, ReplicaContextError
 from workbench._src.core.inputs import InputReplication
 from workbench._src.core.optimizer import ReplicatedOptimizer
@@ -304,7 +304,6 @@ class Replicator:
         one (a tf.train.Checkpoint or a dict of trackables); default: the variables created in
         repl.context(), matched in creation order.
         """
-        from workbench._src.core.checkpoints import restore_latest
 
         return restore_latest(self, checkpoint_dir, checkpoint)
 

@@ -31,9 +31,10 @@ from typing import Protocol
 
 import numpy as np
 
-from workbench._src.core.errors import InputError, NonFiniteError
+from workbench._src.core.errors import InputError, NonFiniteError, WorkerError
 from workbench._src.core.run import Run
 from workbench._src.core.run_options import RunOptions
+from workbench._src.sinks import attach_default_sinks
 
 CHUNK_SECONDS = 0.2
 MAX_STEPS_PER_EXECUTION = 1000
@@ -53,7 +54,6 @@ def train(replicator, program, executor: Executor, saver, opts: RunOptions) -> R
 def new_run(replicator, step_fn, input_fn, opts: RunOptions) -> Run:
     """A Run configured from the replicator and the functions, subscribed to every default sink
     (workbench._src.sinks: the run store, the lab watcher) and to the caller's `sinks`."""
-    from workbench._src.sinks import attach_default_sinks
 
     config = {
         **replicator.describe(),
@@ -385,7 +385,6 @@ class ChunkLoop:
 
 def _with_checkpoint_hint(error: BaseException, saver) -> BaseException:
     """A WorkerError names the last checkpoint to go on from (or says how to keep one)."""
-    from workbench._src.core.errors import WorkerError
 
     if not isinstance(error, WorkerError) or not error.args:
         return error

@@ -7,6 +7,7 @@ import dataclasses
 import os
 from typing import Literal
 
+from workbench._src.core.checkpoints import check_writable_directory
 from workbench._src.core.errors import ConfigurationError, check_positive_int
 
 
@@ -89,8 +90,6 @@ class RunOptions:
                 f"checkpoint_every={self.checkpoint_every!r}, checkpoint_dir={self.checkpoint_dir!r}."
             )
         if self.checkpoint_dir is not None:
-            from workbench._src.core.checkpoints import check_writable_directory
-
             self.checkpoint_dir = check_writable_directory(self.checkpoint_dir)
         self.sinks = tuple(self.sinks or ())
         if isinstance(self.tags, str):

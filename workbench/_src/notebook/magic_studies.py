@@ -19,12 +19,14 @@ from IPython.core.error import UsageError
 from workbench._src.backends import registry
 from workbench._src.core import cells
 from workbench._src.core.errors import ConfigurationError, DeviceError
+from workbench._src.core.inputs import call_input_fn
 from workbench._src.notebook import session
+from workbench._src.numerics.differences import compare_numerics, plot_numerics
+from workbench._src.studies.scaling import scaling_study
 
 
 def scaling_form(magics, args, cell: str | None):
     """`%replicate ... --scaling 1,2,4`: runs wb.scaling_study; returns the wb.ScalingStudy."""
-    from workbench._src.studies.scaling import scaling_study
 
     _refuse(
         args,
@@ -113,8 +115,6 @@ def _cell_for_workers(magics, cell: str, backend: str, replicas: int):
 def compare_form(magics, args, cell: str | None):
     """`%replicate ... --compare`: runs wb.compare_numerics against the session's (or chosen)
     replicator, shows the differences plot and returns the DataFrame."""
-    from workbench._src.core.inputs import call_input_fn
-    from workbench._src.numerics.differences import compare_numerics, plot_numerics
 
     _refuse(
         args,

@@ -27,6 +27,7 @@ from workbench._src import options
 from workbench._src.core import cells
 from workbench._src.core.errors import ConfigurationError, DeviceError
 from workbench._src.notebook import magic_studies, session
+from workbench._src.notebook.tensorboard_view import open_tensorboard
 
 USAGE = """Usage:
   %replicate --backend mirrored --replicas 4   set the session's replicator
@@ -120,8 +121,6 @@ class ReplicateMagics(Magics):
         except UsageError as e:
             raise UsageError(f"%replicate {line.strip()!s}: {e}.\n{USAGE}") from None
         if args.tensorboard is not None:
-            from workbench._src.notebook.tensorboard_view import open_tensorboard
-
             return open_tensorboard(self.shell, args.tensorboard)
         if args.scaling is not None and args.compare:
             raise UsageError(

@@ -15,6 +15,9 @@ from typing import Any
 
 from workbench._src.backends import registry
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.replicator import Replicator
+from workbench._src.sinks import runstore
+from workbench._src.sinks.dashboard import Dashboard
 
 _lock = threading.RLock()
 _current = None  # the session's Replicator
@@ -78,7 +81,6 @@ def use(replicator_or_backend=None, num_replicas: int | None = None, **options):
       >>> wb.current() is repl
       True
     """
-    from workbench._src.core.replicator import Replicator
 
     if isinstance(replicator_or_backend, Replicator):
         if num_replicas is not None or options:
@@ -206,12 +208,9 @@ def train(
         whose steps run in other processes (multi-worker): the source travels, not functions.
       name, tags: the run's name (unique in the run store) and tags (`--name`, `--tags`).
     """
-    from workbench._src.sinks import runstore
 
     runstore.install()
     if dashboard is None and live:
-        from workbench._src.sinks.dashboard import Dashboard
-
         dashboard = Dashboard()
     sinks = [dashboard] if dashboard is not None else []
     try:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from workbench._src.core.errors import ConfigurationError
+from workbench._src.sinks import runstore
+from workbench._src.store import runhistory
+
 
 def logdir_for(which: str | None) -> Path:
     """The event-file folder of run `which` (an id, 'latest', or 'all' for every run)."""
-    from workbench._src.sinks import runstore
-    from workbench._src.store import runhistory
 
     if which in (None, "", "all"):
         return runstore.runs_dir()
@@ -24,8 +26,6 @@ def logdir_for(which: str | None) -> Path:
 def open_tensorboard(shell, which: str | None) -> Path:
     """Runs `%load_ext tensorboard` and `%tensorboard --logdir <folder>` in `shell`."""
     from IPython.core.error import UsageError
-
-    from workbench._src.core.errors import ConfigurationError
 
     try:
         logdir = logdir_for(which)

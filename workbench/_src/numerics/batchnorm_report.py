@@ -16,7 +16,9 @@ import os
 
 import numpy as np
 
+from workbench._src.backends.single import NonReplicator
 from workbench._src.core.tf_setup import tf
+from workbench._src.numerics.batchnorm import CrossReplicaBatchNorm
 from workbench._src.numerics.twin import Side, check_count, diff, make_replicator
 
 # Published figures: 8 TPU cores, older tf.keras (which averaged the replicas' moving statistics
@@ -164,9 +166,6 @@ def batchnorm_report(
     """
     import keras
     import pandas as pd
-
-    from workbench._src.backends.single import NonReplicator
-    from workbench._src.numerics.batchnorm import CrossReplicaBatchNorm
 
     check_count("steps", steps)
     check_count("per_replica_batch", per_replica_batch)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from workbench._src.backends.single import NonReplicator
 from workbench._src.core.errors import ConfigurationError, StepFunctionError
 from workbench._src.core.inputs import InputContext, call_input_fn
 from workbench._src.core.tf_setup import tf
@@ -214,7 +215,6 @@ def compare_numerics(
             "data=... (input_fn is used), or drop input_fn to feed the array in global batches."
         )
     dist_repl = make_replicator(replicas, backend)
-    from workbench._src.backends.single import NonReplicator
 
     ref, dist = Side(NonReplicator(), setup), Side(dist_repl, setup)
     ref_step, dist_step = (_as_step_fn(side, input_fn, training) for side in (ref, dist))

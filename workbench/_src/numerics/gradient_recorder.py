@@ -13,6 +13,7 @@ import functools
 import threading
 
 from workbench._src import compat
+from workbench._src.core.optimizer import ReplicatedOptimizer
 from workbench._src.core.tf_setup import tf
 
 
@@ -60,7 +61,6 @@ class GradientRecorder:
         notes.append((kind, type(getattr(optimizer, "optimizer", optimizer)).__name__, pairs))
 
     def __enter__(self):
-        from workbench._src.core.optimizer import ReplicatedOptimizer
 
         recorder = self
         wrapped_original = ReplicatedOptimizer.apply_gradients

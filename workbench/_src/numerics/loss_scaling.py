@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from workbench._src.backends.single import NonReplicator
 from workbench._src.core.errors import ConfigurationError, StepFunctionError
 from workbench._src.numerics.gradient_recorder import GradientRecorder
 from workbench._src.numerics.twin import (
@@ -116,7 +117,6 @@ def check_loss_scaling(
       >>> wb.check_loss_scaling(setup, input_fn, replicas=4).mistake
       'mean-loss-with-summing-optimizer'
     """
-    from workbench._src.backends.single import NonReplicator
 
     dist_repl = make_replicator(replicas, backend)
     n = dist_repl.num_replicas

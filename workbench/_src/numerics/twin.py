@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from workbench._src.backends import replicator
 from workbench._src.core.errors import ConfigurationError, InputError
 from workbench._src.core.inputs import (
     InputContext,
@@ -34,6 +35,7 @@ from workbench._src.core.inputs import (
     distribute_input,
 )
 from workbench._src.core.program import _arguments_for, _validated_outputs, call_compiled
+from workbench._src.core.replicator import Replicator
 from workbench._src.core.tf_setup import tf
 
 # setup(repl) runs inside repl.context(): it builds the model (and optimizer) and returns either
@@ -241,8 +243,6 @@ def check_count(name: str, value, minimum: int = 1) -> None:
 
 def make_replicator(replicas, backend: str):
     """A fresh replicator for `replicas` (an int), or the Replicator passed in."""
-    from workbench._src.backends import replicator
-    from workbench._src.core.replicator import Replicator
 
     if isinstance(replicas, Replicator):
         return replicas

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from workbench._src.core.run_stats import describe, fmt
+from workbench._src.core.tf_setup import tf
 
 
 def demo(
@@ -16,8 +17,6 @@ def demo(
     import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
-
-    from workbench._src.core.tf_setup import tf
 
     t = tf()
     x, y = load_digits(return_X_y=True)

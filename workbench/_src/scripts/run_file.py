@@ -13,8 +13,12 @@ import sys
 from pathlib import Path
 
 from workbench._src.backends import registry
+from workbench._src.core import tf_setup
 from workbench._src.core.errors import WorkbenchError
+from workbench._src.launch.shipping import CellSetup
+from workbench._src.notebook import session
 from workbench._src.sinks.progress import ProgressPrinter
+from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
 
 
 def run_file(args) -> int:
@@ -26,7 +30,6 @@ def run_file(args) -> int:
         )
         return 2
     source = path.read_text()
-    from workbench._src.core import tf_setup
 
     if args.cpus:
         tf_setup.configure_devices(cpus=args.cpus)
@@ -44,7 +47,6 @@ def run_file(args) -> int:
         if args.checkpoint_every:
             options["checkpoint_every"] = args.checkpoint_every
         sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
-        from workbench._src.notebook import session
 
         session._set(repl, None)
         run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
@@ -71,9 +73,6 @@ def scale_file(args) -> int:
         )
         return 2
     counts = args.replicas  # a list: options.replica_counts parsed it
-    from workbench._src.core import tf_setup
-    from workbench._src.launch.shipping import CellSetup
-    from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
 
     backend = registry.spec(args.backend)
     if backend.takes_replicas:  # devices of this process (a machine with GPUs keeps its GPUs)

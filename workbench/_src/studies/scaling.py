@@ -26,6 +26,10 @@ from typing import Any, Literal
 
 from workbench._src.backends import registry
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.run_stats import figures
+from workbench._src.core.tf_setup import device_summary
+from workbench._src.plots.scaling_plot import draw, png_bytes
+from workbench._src.sinks.scaling_live import live_sink
 from workbench._src.studies.scaling_setup import Build, ScalingContext, measure
 
 __all__ = ["ScalingContext", "ScalingStudy", "reference_speedup", "scaling_metrics", "scaling_study"]
@@ -185,13 +189,11 @@ class ScalingStudy:
     @property
     def figure(self):
         """The final static matplotlib Figure (Agg canvas; no frontend needed)."""
-        from workbench._src.plots.scaling_plot import draw
 
         return draw(self)
 
     def save(self, path: str | os.PathLike) -> str:
         """Writes the figure as a PNG at `path` (folders created); returns the path."""
-        from workbench._src.plots.scaling_plot import png_bytes
 
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -201,8 +203,6 @@ class ScalingStudy:
 
     def _repr_html_(self) -> str:
         import base64
-
-        from workbench._src.plots.scaling_plot import png_bytes
 
         cols = [c for c in SUMMARY_COLUMNS if c in self.table]
         html = self.table[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}")
@@ -275,10 +275,6 @@ def scaling_study(
       [16, 32]
     """
     import time
-
-    from workbench._src.core.run_stats import figures
-    from workbench._src.core.tf_setup import device_summary
-    from workbench._src.sinks.scaling_live import live_sink
 
     counts = _check_arguments(replicas, mode, batch_size, steps, warmup, steps_per_execution)
     if setup is None and (step_fn is None or input_fn is None):

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.inputs import InputContext, call_input_fn
+from workbench._src.core.reaper import discard_programs
+from workbench._src.core.tf_setup import tf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,6 @@ def measure(repl, build: Build, warmup: int, steps: int, name: str, options: dic
     """Warm-up steps (tracing) then the measured steps, on any backend; returns (run, compile
     seconds). On a process backend one launch per configuration: `build` travels to the
     workers, the warm-up runs in the same processes, and the per-step times stream back."""
-    from workbench._src.core.reaper import discard_programs
 
     with batch_errors_translated(build.context_for(repl)):
         run = repl.train(setup=build, steps=steps, warmup=warmup, name=name, **options)
@@ -116,7 +117,6 @@ def _with_context(input_fn: Callable, global_batch: int, mode: str, check_batch:
 def _check_batch_size(dataset, ctx: ScalingContext):
     """Refuses batches of another size than this configuration's: statically when the shape is
     known, else with an assertion in the pipeline (reported by `_batch_size_error`)."""
-    from workbench._src.core.tf_setup import tf
 
     t = tf()
     per_replica = ctx.replica_id is not None  # PER_REPLICA input: one replica's batch
