@@ -738,7 +738,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                 # The dark theme: the next run's figure is dark too.
                 page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
                 page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
-                page.locator(".lm-Menu-itemLabel", has_text="JupyterLab Dark").click()
+                page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
                 expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
                 tab("a.ipynb").click()
                 page.wait_for_timeout(500)  # the theme message reaches the kernel
