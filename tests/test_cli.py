@@ -53,3 +53,83 @@ def test_workbench_scale_bad_input_says_what_and_how():
     assert "expected replica counts separated by commas, such as 1,2,4,8; received '1,two'" in out.stderr
     out = subprocess.run(["workbench", "scale", "missing.py"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such file: 'missing.py'" in out.stderr
+
+
+def _run(*argv, env=None):
+    return subprocess.run(
+        ["workbench", "run", TOY_SCRIPT, "--steps", "5", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_options_that_do_not_fit_the_backend_get_a_sentence_not_a_traceback():
+    cases = {
+        (
+            "--backend",
+            "mirrored",
+            "--workers",
+            "2",
+        ): "--workers applies to the multi-worker and async-ps backends",
+        (
+            "--backend",
+            "multi-worker",
+            "--ps",
+            "1",
+        ): "--ps (parameter servers) applies to the async-ps backend",
+        ("--backend", "mirrored", "--cluster", "TF_CONFIG"): "--cluster joins a cluster of worker processes",
+        ("--backend", "mirorred"): "Unknown replicator backend 'mirorred'",
+    }
+    for argv, said in cases.items():
+        out = _run(*argv)
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, (
+            argv,
+            out.stderr,
+        )
+        assert "Fix:" in out.stderr or "Valid names" in out.stderr
+
+
+def test_a_tf_config_without_a_task_is_refused_at_once():
+    config = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}'
+    out = _run("--backend", "multi-worker", "--cluster", "TF_CONFIG", env={"TF_CONFIG": config})
+    assert out.returncode == 2 and "has no 'task' saying which task this process is" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_history_is_written_when_the_run_fails(tmp_path):
+    # The toy file, with an input that breaks at step 9: a batch of 7 features for a model of 8.
+    script = tmp_path / "fails.py"
+    script.write_text(
+        open(TOY_SCRIPT).read()
+        + "\n_good = input_fn\n\n\ndef input_fn(ctx):\n"
+        + "    bad = tf.data.Dataset.from_tensors((tf.zeros([32, 7]), tf.zeros([32, 1])))\n"
+        + "    return _good(ctx).take(8).concatenate(bad)\n"
+    )
+    history = tmp_path / "h.csv"
+    out = subprocess.run(
+        [
+            "workbench",
+            "run",
+            str(script),
+            "--backend",
+            "single",
+            "--steps",
+            "50",
+            "--steps-per-execution",
+            "1",
+            "--history",
+            str(history),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    first = out.stderr.strip().splitlines()[0]
+    assert first.startswith("workbench run: the run failed after step 8: InvalidArgumentError"), out.stderr[
+        -2000:
+    ]
+    assert f"history up to step 8: {history}" in out.stderr
+    assert list(pd.read_csv(history)["step"]) == list(range(1, 9))

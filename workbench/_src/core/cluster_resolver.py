@@ -84,7 +84,9 @@ def check_tf_config(config, where: str) -> None:
                 refuse(f"has address {address!r} in job {job!r}, which is not 'host:port'")
     task = config.get("task")
     if task is None:
-        return  # TensorFlow allows a TF_CONFIG without a task; the resolver then names none
+        # TensorFlow allows it (the resolver then names no task), but a process given cluster=
+        # is a member of that cluster: without its task it would wait for itself forever.
+        refuse("has no 'task' saying which task this process is ({'type': 'worker', 'index': i})")
     if not isinstance(task, dict) or "type" not in task or "index" not in task:
         refuse("has a 'task' without both 'type' and 'index'")
     if task["type"] not in cluster:

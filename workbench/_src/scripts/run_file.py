@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 from workbench._src.backends import registry
 from workbench._src.core import tf_setup
-from workbench._src.core.errors import WorkbenchError
+from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.launch.shipping import CellSetup
 from workbench._src.notebook import session
+from workbench._src.scripts import serve_task
 from workbench._src.sinks.progress import ProgressPrinter
 from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
 
@@ -34,6 +36,10 @@ def run_file(args) -> int:
     if args.cpus:
         tf_setup.configure_devices(cpus=args.cpus)
     try:
+        _check_options(args)
+        backend = registry.spec(args.backend)
+        if args.cluster and not backend.synchronous and serve_task.is_server_task(args.cluster):
+            return serve_task.serve(args.cluster, args.startup_timeout)  # ps/worker: only the chief runs FILE
         repl = _make_replicator(args)
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         options = {
@@ -50,9 +56,8 @@ def run_file(args) -> int:
 
         session._set(repl, None)
         run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
-    except WorkbenchError as e:
-        print(f"workbench run: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - one sentence first, the details after it
+        return _report_failure(e, args)
     summary = run.summary()
     if args.history:
         run.history.to_csv(args.history, index=False)
@@ -100,6 +105,38 @@ def scale_file(args) -> int:
         print(f"note: {table['threads_note'].iloc[-1]}")
     print(f"figure: {study.path}" + (f"\ntable: {args.csv}" if args.csv else ""))
     return 0
+
+
+def _report_failure(error: Exception, args) -> int:
+    """A failed run: one workbench sentence first (what failed, at which step), the history
+    written up to the failure, then TensorFlow's details for anything that is not ours."""
+    failed = getattr(error, "run", None)
+    where = f" after step {failed.steps}" if failed is not None else ""  # (in a fused chunk: somewhere after)
+    first, *rest = (str(error) or type(error).__name__).splitlines() or [""]
+    if isinstance(error, WorkbenchError):
+        print(f"workbench run: {type(error).__name__}: {error}", file=sys.stderr)
+    else:
+        print(f"workbench run: the run failed{where}: {type(error).__name__}: {first}", file=sys.stderr)
+    if args.history and failed is not None:  # the rows up to the failure are kept
+        failed.history.to_csv(args.history, index=False)
+        print(f"workbench run: history up to step {failed.steps}: {args.history}", file=sys.stderr)
+    if not isinstance(error, WorkbenchError):
+        print("--- details ---", file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)
+    return 2 if isinstance(error, ConfigurationError) else 1
+
+
+def _check_options(args) -> None:
+    """The counts and --cluster fit the backend: a sentence with the fix, not a TypeError."""
+    backend = registry.spec(args.backend, example="workbench run FILE --backend mirrored")
+    registry.check_counts(backend, args.replicas, args.workers, args.ps)
+    if args.cluster and not backend.takes_workers:
+        takers = " or ".join(registry.names(takes_workers=True))
+        raise ConfigurationError(
+            f"--cluster joins a cluster of worker processes, which the {backend.name} backend does not "
+            f"have; received --backend {args.backend} --cluster {args.cluster}. Fix: --backend {takers}, "
+            "or leave --cluster out to use this machine's devices."
+        )
 
 
 def _make_replicator(args):

@@ -1,0 +1,81 @@
+"""Two test hosts on one machine: two network namespaces joined by a veth pair (NOTES.md).
+
+`TwoHosts()` makes them with names and a 10.x.y.0/24 subnet unique to this test process, so two
+runs on one machine never meet; `close()` ends every process started in them (by the pids
+`ip netns pids` lists for its own namespaces) and deletes the namespaces. Tests that need it skip
+with the reason where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+class TwoHosts:
+    def __init__(self):
+        if shutil.which("ip") is None or os.geteuid() != 0:
+            pytest.skip("two test hosts need root and iproute2 (ip netns) to make network namespaces")
+        tag = f"wb{os.getpid() % 100000}"
+        self.names = [f"{tag}a", f"{tag}b"]
+        subnet = f"10.{os.getpid() % 200 + 20}.{(os.getpid() // 200) % 250}"
+        self.addresses = [f"{subnet}.1", f"{subnet}.2"]
+        self.links = [f"{tag}va", f"{tag}vb"]
+        try:
+            for name in self.names:
+                _ip("netns", "add", name)
+            _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            for name, link, address in zip(self.names, self.links, self.addresses):
+                _ip("link", "set", link, "netns", name)
+                _ip("-n", name, "addr", "add", f"{address}/24", "dev", link)
+                _ip("-n", name, "link", "set", link, "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as e:
+            self.close()
+            pytest.skip(f"network namespaces cannot be made here: {e.stderr.strip()}")
+
+    def popen(self, host: int, argv: list[str], env: dict, log) -> subprocess.Popen:
+        """Starts argv on host 0 or 1 with `env` added to this environment, output into `log`."""
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.names[host], *argv],
+            env={**os.environ, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def cut(self) -> None:
+        """Takes the link between the hosts down (both ends)."""
+        for name, link in zip(self.names, self.links):
+            _ip("-n", name, "link", "set", link, "down", check=False)
+
+    def pids(self) -> list[int]:
+        found = []
+        for name in self.names:
+            out = _ip("netns", "pids", name, check=False).stdout.split()
+            found += [int(p) for p in out if p.isdigit()]
+        return found
+
+    def close(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for name in self.names:
+            _ip("netns", "del", name, check=False)
+
+
+WORKBENCH = [sys.executable, "-m", "workbench.cli"]
