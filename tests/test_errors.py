@@ -384,3 +384,34 @@ def test_load_run_refuses_ids_that_leave_the_runs_folder(tmp_path, run_id):
         wb.ConfigurationError, match=r"A run id is the name of one folder.*received.*Fix: pick an id"
     ):
         wb.load_run(run_id, directory=runs)
+
+
+def test_a_failing_sink_is_named_in_a_sentence_and_training_goes_on():
+    class Broken:
+        sink_name = "the broken plot"
+
+        def send(self, event):
+            if event.kind == "metrics":
+                raise ValueError("no canvas")
+
+    def plain_function_sink(event):
+        if event.kind == "metrics":
+            raise KeyError("x")
+
+    repl = wb.NonReplicator()
+    with repl.context():
+        w = tf.Variable(1.0)
+    run = repl.train(
+        lambda x: {"loss": tf.reduce_sum(x) * w},
+        lambda ctx: tf.data.Dataset.from_tensors(tf.ones([2])).repeat(),
+        steps=20,
+        sinks=[Broken(), plain_function_sink],
+    )
+    texts = [e.data["text"] for e in run.events if e.kind == "message"]
+    assert run.status == "finished" and run.steps == 20
+    assert (
+        "the broken plot stopped receiving this run's events after an error (ValueError: no canvas); "
+        "training goes on without it" in texts
+    )
+    assert any(t.startswith("the sink test_a_failing_sink") and "KeyError" in t for t in texts), texts
+    assert not any("bound method" in t or "<function" in t for t in texts)

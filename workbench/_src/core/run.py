@@ -269,7 +269,10 @@ class Run:
                         self.id,
                         time.time(),
                         self.steps,
-                        {"text": f"sink {send!r} removed after error: {e!r}"},
+                        {
+                            "text": f"{_sink_name(send)} stopped receiving this run's events after an "
+                            f"error ({type(e).__name__}: {e}); training goes on without it"
+                        },
                     )
                 )
         return event
@@ -360,3 +363,15 @@ class Run:
 
     def __repr__(self):
         return f"<wb.Run {self.name!r} {self.status} steps={self.steps}>"
+
+
+def _sink_name(send) -> str:
+    """How a message names a sink: its `sink_name` (e.g. "the run store"), else its class or
+    function name, never a bound method's repr."""
+    owner = getattr(send, "__self__", None)
+    named = getattr(owner if owner is not None else send, "sink_name", None)
+    if named:
+        return named
+    if owner is not None:
+        return f"the {type(owner).__name__} sink"
+    return f"the sink {getattr(send, '__qualname__', None) or type(send).__name__}"

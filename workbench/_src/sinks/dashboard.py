@@ -60,6 +60,8 @@ class Dashboard:
     render_threads, png (the last figure), history (rows seen in events), error.
     """
 
+    sink_name = "the live dashboard"
+
     def __init__(
         self,
         *,

@@ -110,6 +110,8 @@ class Recorder:
     claimed in the store before another kernel can take it.
     """
 
+    sink_name = "the run store"  # (how a message names it: see Run.publish)
+
     def __init__(self, run_id: str, name: str, base: Path, config: dict | None = None, tags=()):
         self.run_id = run_id
         self.history = run_plot.History()
