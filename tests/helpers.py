@@ -146,3 +146,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def nan_after_fifty_setup(repl):
+    with repl.context():
+        w = tf.Variable(0.0)
+
+    def step_fn(x, y):
+        w.assign_add(1.0)
+        return {"loss": tf.math.log(50.5 - w)}  # NaN once 50 steps have run, on any worker
+
+    return step_fn, regression_input_fn

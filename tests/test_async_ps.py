@@ -20,6 +20,7 @@ from helpers import (
     PROCESS_CELL,
     connect_error,
     host_addresses,
+    nan_after_fifty_setup,
     process_pid,
     regression_input_fn,
     regression_model_and_step,
@@ -184,3 +185,15 @@ def test_unusable_checkpoint_dir_is_refused_before_any_process_starts(tmp_path):
             repl.train(setup=regression_setup, steps=5, checkpoint_dir=a_file)
         assert str(a_file) in str(info.value)
     assert time.monotonic() - started < 5  # refused here, not after starting workers
+
+
+@pytest.mark.slow
+def test_async_ps_history_ends_at_the_reported_non_finite_step():
+    run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1).train(
+        setup=nan_after_fifty_setup, steps=2000, steps_per_execution=10
+    )
+    history = run.history
+    assert run.status == "non-finite" and "Training stopped at step" in run.stop_reason
+    reported = int(run.stop_reason.split("Training stopped at step ")[1].split(":")[0])
+    assert list(history["step"]) == list(range(1, reported + 1))  # nothing after it
+    assert np.isfinite(history["loss"].iloc[:-1]).all() and not np.isfinite(history["loss"].iloc[-1])

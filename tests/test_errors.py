@@ -168,6 +168,11 @@ def test_nan_loss_stops_with_a_clear_reason():
     with pytest.raises(wb.NonFiniteError, match=r"(?s)metric 'loss' is nan") as err:
         repl.train(step_fn, input_fn, steps=5, on_nonfinite="raise")
     assert err.value.run.status == "non-finite"
+    # Fused: the chunk of 10 steps ran on, but the history ends at the reported step.
+    w.assign(0.0)
+    with pytest.warns(RuntimeWarning, match="Training stopped at step 5"):
+        fused = repl.train(step_fn, input_fn, steps=20, steps_per_execution=10)
+    assert fused.status == "non-finite" and list(fused.history["step"]) == [1, 2, 3, 4, 5]
 
 
 def test_bad_train_options():

@@ -266,16 +266,22 @@ class ChunkLoop:
                 )
                 continue
             rows, done = result
+            if status == "non-finite":
+                # A chunk that was in flight when a metric went non-finite (async-ps): its steps
+                # ran, but the history ends at the reported step.
+                continue
             now = time.perf_counter()
             if first_call and run.compile_seconds is None:  # (a warm-up has set it already)
                 run.compile_seconds = now - start if compiling else 0.0
             t0 = max(submitted, last)
+            kept = rows if self.opts.on_nonfinite == "ignore" else rows[: _rows_until_nonfinite(rows)]
             self._record(
-                rows,
+                kept,
                 program.steps_done - done + 1,
                 t0 - start,
                 now - start,
                 timed=not (first_call and compiling),
+                chunk_rows=len(rows),
             )
             last = now
             bad = first_nonfinite(
@@ -289,7 +295,11 @@ class ChunkLoop:
                 status, reason = "non-finite", bad
             if done < chunk and not reason:
                 reason = self._exhausted(program.steps_done - first_step)
-            if self.opts.checkpoint_every and program.steps_done % self.opts.checkpoint_every == 0:
+            if (
+                self.opts.checkpoint_every
+                and program.steps_done % self.opts.checkpoint_every == 0
+                and status != "non-finite"  # (never save the non-finite weights)
+            ):
                 self._save()
             if self.fixed_k is None and not first_call and done:
                 if executor.max_in_flight > 1:
@@ -325,12 +335,14 @@ class ChunkLoop:
         every = self.opts.checkpoint_every
         return every - scheduled % every if every else MAX_STEPS_PER_EXECUTION
 
-    def _record(self, rows: np.ndarray, first_step: int, t0: float, t1: float, timed: bool) -> None:
+    def _record(self, rows, first_step: int, t0: float, t1: float, timed: bool, chunk_rows=None) -> None:
+        """Records `rows` (the first of them step `first_step`), run between t0 and t1; when only
+        the first rows of a chunk are kept, `chunk_rows` is the chunk's length (its time per step)."""
         names = self.program.metric_names or []
         n = len(rows)
         if not n:
             return
-        per_step = (t1 - t0) / n
+        per_step = (t1 - t0) / (chunk_rows or n)
         if not timed:
             rates = [float("nan")] * n
         elif self.executor.rate_window_seconds:
@@ -406,6 +418,12 @@ def checkpoint_hint(latest: str | None) -> str:
         f"repl.restore({os.path.dirname(latest)!r}), or train again with checkpoint_dir= that "
         "folder to go on."
     )
+
+
+def _rows_until_nonfinite(rows: np.ndarray) -> int:
+    """How many rows to record: up to and including the first with a NaN/Inf metric."""
+    bad = ~np.isfinite(rows[:, :-1]).all(axis=1)
+    return int(np.argmax(bad)) + 1 if bad.any() else len(rows)
 
 
 def first_nonfinite(rows: np.ndarray, first_step: int, names, on_nonfinite: str, checkpoint_kept: bool):
