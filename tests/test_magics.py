@@ -136,7 +136,8 @@ def test_cell_form_builds_in_the_context_then_trains(ip):
     assert run.history["loss"].iloc[-1] < run.history["loss"].iloc[0] / 10
     # The line form trains the same functions on the same replicator: the data stream continues.
     more = magic(ip, "step_fn input_fn --steps 10 --no-live --steps-per-execution 5")
-    assert list(more.history["step"]) == list(range(41, 51))
+    assert list(more.history["step"]) == list(range(1, 11))  # counted from the run's start
+    assert list(more.history["global_step"]) == list(range(41, 51))
     assert [r["id"] for _, r in wb.runs().iterrows()] == [run.id, more.id]
 
 

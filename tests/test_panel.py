@@ -118,7 +118,7 @@ def test_run_without_functions_says_what_to_do(panel):
     panel._run_button.click()
     assert panel.run is None
     assert panel.status.startswith("error: step_fn and input_fn not defined in the notebook. Fix:")
-    assert "color:#a33" in panel._status.value
+    assert "color:var(--jp-error-color1)" in panel._status.value  # the theme's error colour
 
 
 def test_panel_uses_the_shell_namespace_by_default(ns):
@@ -130,6 +130,7 @@ def test_panel_uses_the_shell_namespace_by_default(ns):
         p.steps = 5
         run = p.start()
         run.wait(60)
-        assert run.status == "finished" and run.history["step"].tolist() == [2, 3, 4, 5, 6]
+        assert run.status == "finished" and run.history["step"].tolist() == [1, 2, 3, 4, 5]
+        assert run.history["global_step"].tolist() == [2, 3, 4, 5, 6]
     finally:
         p.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from workbench._src.backends import registry
 from workbench._src.core import tf_setup
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
+from workbench._src.core.run import set_source
 from workbench._src.launch.shipping import CellSetup
 from workbench._src.notebook import session
 from workbench._src.scripts import serve_task
@@ -55,6 +56,7 @@ def run_file(args) -> int:
         sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
 
         session._set(repl, None)
+        set_source(path.resolve())  # the run store names the script as the runs' source
         run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
     except Exception as e:  # noqa: BLE001 - one sentence first, the details after it
         return _report_failure(e, args)
