@@ -33,6 +33,7 @@ import workbench as wb
 pytestmark = pytest.mark.usefixtures("no_orphans")
 
 
+@pytest.mark.slow
 def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():
     repl = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
     run = repl.train_cell(
@@ -52,6 +53,7 @@ def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():
     del ref_model
 
 
+@pytest.mark.slow
 def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
     repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
     run = repl.train(setup=regression_setup, steps=1500, steps_per_execution=5, background=True)
@@ -68,6 +70,7 @@ def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
     assert np.isfinite(history["loss"]).all()
 
 
+@pytest.mark.slow
 def test_async_ps_every_worker_killed_fails_within_seconds_with_the_history():
     run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1).train(
         setup=regression_setup, steps=10**7, steps_per_execution=5, background=True
@@ -83,6 +86,7 @@ def test_async_ps_every_worker_killed_fails_within_seconds_with_the_history():
     assert len(run.history) == run.steps >= 50  # the history up to the failure is kept
 
 
+@pytest.mark.slow
 def test_async_ps_killed_parameter_server_fails_fast_and_checkpoint_restores(tmp_path):
     repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
     run = repl.train(
@@ -106,9 +110,10 @@ def test_async_ps_killed_parameter_server_fails_fast_and_checkpoint_restores(tmp
     resumed = fresh.train(fresh_step, regression_input_fn, steps=5, checkpoint_dir=tmp_path)
     texts = [e.data.get("text", "") for e in resumed.events if e.kind == "message"]
     assert any(f"resumed from checkpoint at step {saved_step}" in t for t in texts)
-    assert int(resumed.history["step"].iloc[0]) == saved_step + 1
+    assert int(resumed.history["global_step"].iloc[0]) == saved_step + 1  # (step counts from 1)
 
 
+@pytest.mark.slow
 def test_async_ps_parameter_server_killed_while_checkpointing_is_a_worker_error(tmp_path):
     # A checkpoint at every step: most of the run's time is spent saving, so the kill lands in a
     # save (or between two); either way the run ends with the same WorkerError and its history.
@@ -123,6 +128,7 @@ def test_async_ps_parameter_server_killed_while_checkpointing_is_a_worker_error(
     assert info.value.run is run and len(run.history) == run.steps >= 20
 
 
+@pytest.mark.slow
 def test_replicate_cell_on_async_ps_trains_in_its_processes(notebook):  # noqa: F811 - the fixture
     run = notebook.run_cell_magic(
         "replicate", "--backend async-ps --workers 2 --ps 1 --steps 200 --no-live", PROCESS_CELL
@@ -145,6 +151,7 @@ def test_replicate_cell_on_async_ps_trains_in_its_processes(notebook):  # noqa: 
 
 
 # ----- no open doors: every process a local run starts is reachable from this machine only -------------
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
 def test_local_cluster_listens_on_loopback_only_and_refuses_the_host_address(backend):
     from workbench._src.launch import netns
