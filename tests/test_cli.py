@@ -4,8 +4,10 @@ import os
 import subprocess
 
 import pandas as pd
+import pytest
 
 
+@pytest.mark.slow
 def test_workbench_demo_prints_a_summary_and_writes_the_plot(tmp_path):
     png = tmp_path / "demo.png"
     out = subprocess.run(
@@ -30,6 +32,7 @@ def test_cli_usage_error_is_clear():
 TOY_SCRIPT = os.path.join(os.path.dirname(__file__), "data", "toy_train.py")
 
 
+@pytest.mark.slow
 def test_workbench_scale_studies_a_script_and_writes_figure_and_table(tmp_path):
     png, csv = tmp_path / "study.png", tmp_path / "study.csv"
     args = ["--replicas", "1,2", "--steps", "10", "--warmup", "3", "--out", str(png), "--csv", str(csv)]

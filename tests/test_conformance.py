@@ -23,6 +23,7 @@ def repl(request):
 REGRESSION_CELL = "model, step_fn = regression_model_and_step(repl, lr=0.1)\ninput_fn = regression_input_fn"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", backends.ALL)
 def test_a_cell_trains_to_the_one_device_weights_on_every_backend(backend, no_orphans):
     """The same %%replicate cell on every backend, processes included: the weights that come back
@@ -114,6 +115,7 @@ def test_one_step_equals_one_device_on_the_global_batch(repl, optimizer):
     assert max(np.abs(a - b).max() for a, b in zip(reference, weights)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_hundred_steps_agree_with_one_device(repl):
     import keras
 

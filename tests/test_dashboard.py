@@ -83,6 +83,7 @@ def test_rate_is_bounded_and_rendering_is_off_the_sending_thread():
     assert dash.error is None
 
 
+@pytest.mark.slow
 def test_default_budget_keeps_drawing_a_small_fraction_of_the_time():
     dash = Dashboard(frontend="widgets", display=False, render_budget=0.03)
     _, seconds = synthetic_run([dash], seconds=4.0)
@@ -107,6 +108,7 @@ def test_display_is_updated_in_place_and_ends_as_a_static_png():
     assert dash.widget.comm is None  # a finished foreground run frees its widgets
 
 
+@pytest.mark.slow
 def test_a_real_background_run_with_the_stop_button():
     repl = wb.replicator("mirrored", num_replicas=2)
 

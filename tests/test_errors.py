@@ -118,6 +118,7 @@ def test_primitives_outside_a_replica_context():
             repl.all_gather(tf.ones([2]))
 
 
+@pytest.mark.slow
 def test_tensorflow_initialised_before_virtual_devices():
     script = textwrap.dedent(
         """

@@ -11,6 +11,10 @@ import sys
 import textwrap
 import time
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a script that trains, timed to its exit
+
 SCRIPT = textwrap.dedent(
     """
     import time

@@ -81,6 +81,7 @@ def test_durations_and_reasons():
 
 
 # ----- one truth on every backend (issue 23): real runs --------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
 def test_examples_per_step_is_the_global_batch_on_process_backends(backend, no_orphans):
     """examples/s / steps/s = the global batch within 1%, over the same window: async-ps used to

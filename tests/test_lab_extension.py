@@ -49,6 +49,7 @@ CHROMIUM_FLAGS = [
 WAIT_MS = 90_000  # generous: CI machines have 2 shared cores
 
 
+@pytest.mark.slow
 def test_typescript_unit_tests_pass():
     """`jlpm test`: the extension's pure logic (src/model.ts, src/templates.ts) under node --test."""
     jlpm = shutil.which("jlpm")
@@ -112,6 +113,7 @@ def _run0(data: dict) -> dict:
     return runs[0]
 
 
+@pytest.mark.slow
 def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(tmp_path, monkeypatch):
     """The comm protocol of workbench/_src/sinks/labcomm.py in a real kernel, as the sidebar uses it."""
     from jupyter_client.manager import start_new_kernel
@@ -396,6 +398,7 @@ def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> N
     expect(cell.locator(".jp-OutputArea-output")).to_contain_text(f"{second['run']}/tb")
 
 
+@pytest.mark.slow
 def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
     _require_browser()
     from playwright.sync_api import expect, sync_playwright
@@ -623,6 +626,7 @@ def _image_brightness(png: bytes) -> float:
     return float(np.asarray(Image.open(io.BytesIO(png)).convert("L")).mean())
 
 
+@pytest.mark.slow
 def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_browser(tmp_path):
     """Issue 23 in the browser: two kernels writing to one store show distinct names; rename and
     tag from the sidebar; the compare view names the runs; delete removes the card; a long run's

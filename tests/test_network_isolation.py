@@ -19,6 +19,7 @@ import subprocess
 import sys
 from multiprocessing.connection import Client
 
+import pytest
 from helpers import connect_error, host_addresses, wait_for
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -46,6 +47,7 @@ def assert_unreachable_from_host(group, ports: list[int]) -> None:
 
 
 # ----- TensorFlow servers in the namespace ------------------------------------------------------------
+@pytest.mark.slow
 def test_tensorflow_servers_are_unreachable_from_the_host():
     from workbench._src.launch.processes import ProcessGroup, free_ports
 
@@ -73,6 +75,7 @@ def test_tensorflow_servers_are_unreachable_from_the_host():
         group.stop()
 
 
+@pytest.mark.slow
 def test_multi_worker_mirrored_strategy_runs_inside_the_private_network():
     from workbench._src.launch.channel import Channel
     from workbench._src.launch.processes import ProcessGroup, free_ports
@@ -115,6 +118,7 @@ def test_multi_worker_mirrored_strategy_runs_inside_the_private_network():
 
 
 # ----- the channel over a Unix socket -------------------------------------------------------------------
+@pytest.mark.slow
 def test_channel_accepts_its_children_in_the_namespace_and_rejects_others():
     from workbench._src.launch.channel import Channel
     from workbench._src.launch.processes import ProcessGroup
@@ -151,6 +155,7 @@ def test_channel_accepts_its_children_in_the_namespace_and_rejects_others():
 
 
 # ----- a group inside the namespace inherits it -------------------------------------------------------
+@pytest.mark.slow
 def test_group_started_inside_the_namespace_shares_it():
     from workbench._src.launch.processes import ProcessGroup
 
@@ -175,6 +180,7 @@ def test_group_started_inside_the_namespace_shares_it():
 
 
 # ----- temporary folders -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_log_and_channel_folders_are_removed(monkeypatch):
     from workbench._src.launch.channel import Channel
     from workbench._src.launch.processes import ProcessGroup
@@ -198,6 +204,7 @@ def test_log_and_channel_folders_are_removed(monkeypatch):
         shutil.rmtree(kept.log_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_leaves_no_folders_or_processes():
     """A kernel killed outright runs no clean-up: its children remove its folders as they exit."""
     import psutil
@@ -268,6 +275,7 @@ child.kill()
     assert report["listening"] == [["127.0.0.1", report["port"]]]
 
 
+@pytest.mark.slow
 def test_tensorflow_collectives_through_the_user_namespace_path():
     """What a non-root user gets (a user + network namespace), with real TensorFlow processes:
     the launcher runs as uid 1000 in a user namespace of its own, so it cannot take root's path."""
@@ -318,6 +326,7 @@ channel.close()
     assert report["accepted"] == []  # checked from the host network while the servers were up
 
 
+@pytest.mark.slow
 def test_refused_namespaces_warn_once_and_fall_back():
     """A user namespace whose uid is not mapped may not make namespaces: a real refusal."""
     import pytest
@@ -353,6 +362,7 @@ print(json.dumps({"isolated": [g.network_isolated for g in groups], "code": chil
     assert "listen on EVERY network interface" in message and "Fix:" in message
 
 
+@pytest.mark.slow
 def test_opting_out_runs_in_the_host_network_and_children_follow():
     """WORKBENCH_PRIVATE_NETWORK=off: the host network, warned; a group made by a child follows."""
     script = """

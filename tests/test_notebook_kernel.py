@@ -6,9 +6,12 @@ import queue
 import time
 
 import nbformat
+import pytest
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 from notebook_toy import TOY_CELL
+
+pytestmark = pytest.mark.slow  # every test starts a Jupyter kernel and trains in it
 
 PREAMBLE = "%load_ext workbench\nimport workbench as wb"
 

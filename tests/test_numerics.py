@@ -62,6 +62,7 @@ def test_batchnorm_report_explains_compares_and_plots(bn_report, tmp_path):
     assert (tmp_path / "bn.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_cross_replica_batchnorm_trains_like_one_device():
     """Gradients flow through the cross-replica sums: N-replica SGD steps equal one device."""
 

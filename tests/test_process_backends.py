@@ -98,6 +98,7 @@ def conformance_on_worker(repl):
 
 
 # ----- multi-worker (synchronous) ---------------------------------------------------------------
+@pytest.mark.slow
 def test_multi_worker_conformance_matches_one_device():
     repl = wb.MultiWorkerReplicator(num_workers=2)
     assert repl.num_replicas == 2 and repl.describe()["synchronous"] is True
@@ -126,6 +127,7 @@ def test_multi_worker_conformance_matches_one_device():
         np.testing.assert_allclose(r["adam"][1], adam_losses, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_multi_worker_interrupt_stops_every_worker_at_one_step():
     repl = wb.MultiWorkerReplicator(num_workers=2)
     events = []
@@ -155,6 +157,7 @@ def start_background_run(repl, steps=1_000_000):
     return run
 
 
+@pytest.mark.slow
 def test_multi_worker_killed_worker_stops_the_run_with_its_name():
     run = start_background_run(wb.MultiWorkerReplicator(num_workers=2))
     os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
@@ -166,6 +169,7 @@ def test_multi_worker_killed_worker_stops_the_run_with_its_name():
     assert len(run.history) == run.steps > 0  # the history up to the failure is kept
 
 
+@pytest.mark.slow
 def test_multi_worker_frozen_worker_is_named_within_30_seconds():
     run = start_background_run(wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=8))
     os.kill(process_pid(run, "worker", 1), signal.SIGSTOP)
@@ -179,6 +183,7 @@ def worker_number(repl):
     return repl.worker_id
 
 
+@pytest.mark.slow
 def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatch):
     # The race CI once lost: a worker sends its result and exits; the launcher's
     # poll sees the exit before it has read those messages. Here that order is forced: the
@@ -203,6 +208,7 @@ def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatc
     assert held and sorted(results) == [0, 1]
 
 
+@pytest.mark.slow
 def test_peer_that_never_starts_gives_a_startup_timeout(tmp_path):
     from workbench._src.launch.processes import free_ports
 
@@ -240,6 +246,7 @@ def test_functions_holding_tensorflow_state_get_a_clear_error(backend):
         repl.strategy  # noqa: B018 - the notebook's replicator of a local cluster has none
 
 
+@pytest.mark.slow
 def test_cli_runs_a_script_on_two_workers(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "data", "toy_train.py")
     history = tmp_path / "history.csv"
@@ -289,6 +296,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_killed_kernel_leaves_no_processes(tmp_path):
     script = tmp_path / "kernel.py"
     script.write_text(KERNEL_SCRIPT.format(tests=os.path.dirname(__file__)))
@@ -322,6 +330,7 @@ def test_killed_kernel_leaves_no_processes(tmp_path):
 
 
 # ----- from a notebook: the %%replicate cell ------------------------------------------------------
+@pytest.mark.slow
 def test_replicate_cell_on_multi_worker_trains_in_workers_and_returns_the_weights(notebook):
     run = notebook.run_cell_magic(
         "replicate", "--backend multi-worker --workers 2 --steps 150 --no-live", PROCESS_CELL
@@ -352,6 +361,7 @@ def study_regression_setup(repl, ctx):
     return step_fn, input_fn
 
 
+@pytest.mark.slow
 def test_scaling_study_on_worker_processes(tmp_path):
     study = wb.scaling_study(
         setup=study_regression_setup, backend="multi-worker", replicas=[1, 2], mode="strong",
@@ -377,6 +387,7 @@ def test_scaling_study_on_worker_processes(tmp_path):
     assert (tmp_path / "study.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_replicate_scaling_cell_on_multi_worker(notebook):
     cell = PROCESS_CELL.replace(".batch(32)", ".batch(ctx.global_batch_size, drop_remainder=True)")
     options = "--backend multi-worker --steps 10 --warmup 5 --steps-per-execution 5 --no-live"
@@ -394,6 +405,7 @@ def test_replicate_scaling_cell_on_multi_worker(notebook):
         )
 
 
+@pytest.mark.slow
 def test_a_checkpointed_multi_worker_run_leaves_no_temporary_folders(tmp_path, monkeypatch):
     # Every temporary folder of the run (the launch's logs and channel, a non-chief worker's
     # checkpoint scratch copy) is made under TMPDIR, which the workers inherit: a private one here,

@@ -11,6 +11,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # every test starts a kernel or a process that imports TensorFlow afresh
+
 # An error-level TensorFlow/absl line (E1123 12:00:00.0 ... file.cc:52] ...) or the absl banner.
 NOISE = re.compile(r"^[EWF]\d{4} [\d:.]+|absl::InitializeLog|cuInit|^WARNING:absl", re.M)
 
