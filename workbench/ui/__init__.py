@@ -27,7 +27,7 @@ def panel(namespace: dict | None = None):
       >>> p.magic_line               # doctest: +SKIP
       '%replicate step_fn input_fn --backend mirrored --replicas 2 --steps 300 --background'
     """
-    from workbench._src.notebook.panel import Panel
+    from workbench._src.notebook.panel import Panel  # here: it imports ipywidgets, not at `import workbench`
 
     return Panel(namespace=namespace)
 
@@ -39,6 +39,6 @@ def dashboard(**options):
     times a second at most, off the training thread; a static PNG when the run ends. Options:
     see `workbench._src.sinks.dashboard.Dashboard` (display, frontend, max_rate_hz, render_budget).
     """
-    from workbench._src.sinks.dashboard import Dashboard
+    from workbench._src.sinks.dashboard import Dashboard  # here: it imports ipywidgets and IPython
 
     return Dashboard(**options)

@@ -22,6 +22,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from workbench._src.core.run_stats import figures, fmt, last_metrics, shown_reason
+
 _source_override: str | None = None  # set by `workbench run FILE.py` (set_source)
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Run of this process
 
@@ -200,7 +202,6 @@ class Run:
         run once it ended; median_examples_per_sec: the median step's. One definition for every
         view (workbench/_src/core/run_stats.py).
         """
-        from workbench._src.core.run_stats import figures, last_metrics
 
         h = self.history
         out = {"run": self.id, "status": self.status, "steps": self.steps}
@@ -339,8 +340,6 @@ class Run:
 
     def _repr_html_(self):
         import html
-
-        from workbench._src.core.run_stats import fmt, shown_reason
 
         if not self.ended and self._thread is not None:
             # Shown once when the cell ends and never refreshed: no frozen "running, steps 0".

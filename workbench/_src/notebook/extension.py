@@ -23,6 +23,7 @@ def load_ipython_extension(ipython) -> None:
 
     Call `wb.configure_devices(cpus=N)` before `%load_ext workbench` for a count other than 8.
     """
+    # Here, not at the top: the magics import IPython, which `import workbench` must not pull in.
     from workbench._src.core.tf_setup import DEFAULT_VIRTUAL_CPUS, configure_devices
     from workbench._src.notebook.magics import ReplicateMagics
     from workbench._src.sinks import labcomm, runstore

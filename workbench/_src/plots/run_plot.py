@@ -13,6 +13,7 @@ import math
 import threading
 
 from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics
+from workbench._src.plots import theme
 
 MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
 MAX_METRIC_PANELS = 5
@@ -106,7 +107,6 @@ class Plotter:
 
     def render(self, columns: dict, title: str) -> bytes:
         """PNG bytes of the figure for these columns."""
-        from workbench._src.plots import theme
 
         with _RENDER_LOCK, theme.context():
             names = metric_names(columns)[:MAX_METRIC_PANELS]
@@ -206,7 +206,6 @@ class Plotter:
 
 def final_png(run_id: str, columns: dict, title: str) -> bytes:
     """The end-of-run figure, rendered once and shared by the run store and the dashboard."""
-    from workbench._src.plots import theme
 
     key = (run_id, len(columns.get("step", [])), title, theme.key())
     with _RENDER_LOCK:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 
+from workbench._src.plots import theme
+
 DPI = 90
 
 
@@ -20,8 +22,6 @@ FONTS = {"font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "legend.fo
 def draw(study):
     """Returns a matplotlib Figure of the study's points so far (planned x-range shown at once)."""
     import matplotlib
-
-    from workbench._src.plots import theme
 
     with theme.context(), matplotlib.rc_context(FONTS):  # the JupyterLab theme's colours
         return _draw(study)

@@ -10,7 +10,7 @@ from workbench._src.core.tf_setup import tf
 def demo(
     replicas: int = 4, steps: int = 600, out: str = "workbench-demo.png", global_batch: int = 128
 ) -> dict:
-    import workbench as wb
+    import workbench as wb  # the public face, as a user's script imports it (it imports this module's package)
 
     wb.configure_devices(cpus=max(8, replicas))
     import keras

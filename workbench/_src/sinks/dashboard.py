@@ -22,6 +22,7 @@ from typing import Literal
 from workbench._src.core.run import Event
 from workbench._src.core.run_stats import figures, fmt, fmt_duration, shown_reason
 from workbench._src.plots import run_plot
+from workbench._src.sinks import runstore
 
 Frontend = Literal["auto", "widgets", "console"]
 # tqdm without its own rate and ETA (the postfix carries the run's figures instead).
@@ -274,8 +275,6 @@ class Dashboard:
         text = title + (f" ({reason})" if reason else "")
         failed = self.status == "failed"
         if self.frontend == "console":
-            from workbench._src.sinks import runstore
-
             where = runstore.record_dir(self.run_id)
             print(text + (f"; figure: {where}/{runstore.FIGURE}" if where else ""), flush=True)
             return

@@ -45,6 +45,11 @@ import time
 from collections import OrderedDict
 
 from workbench._src.core.run_stats import RESERVED, figures, shown_reason
+from workbench._src.core.tf_setup import device_summary
+from workbench._src.notebook import session
+from workbench._src.plots import theme
+from workbench._src.sinks import register_default, runstore
+from workbench._src.store import compare, runhistory
 
 TARGET = "workbench.lab"
 PROTOCOL = 1
@@ -77,9 +82,6 @@ def register(ipython=None) -> bool:
         if _registered:
             return True
         import comm
-
-        from workbench._src.notebook import session
-        from workbench._src.sinks import register_default
 
         comm.get_comm_manager().register_target(TARGET, _on_open)
         register_default(_watch)
@@ -165,8 +167,6 @@ def _on_msg(comm, msg) -> None:
         if kind in ("delete", "rename", "tag"):
             _push()  # every open sidebar (other notebooks too) hears of it at once
     elif kind == "theme":  # the page's theme: figures drawn from now on follow it
-        from workbench._src.plots import theme
-
         theme.set_dark(bool(data.get("dark")))
     elif kind in ("refresh", "hello"):
         comm.send(snapshot())
@@ -185,7 +185,6 @@ def _stop(run_id: str | None) -> bool:
 
 def _figure(run_id: str | None) -> dict:
     """The dashboard PNG of run `run_id`, or of the newest run that has one."""
-    from workbench._src.sinks import runstore
 
     with _lock:
         ids = [run_id] if run_id else [w.run_id for w in reversed(_watchers.values()) if not w.running]
@@ -210,7 +209,6 @@ def _figure(run_id: str | None) -> dict:
 
 def _store_request(kind: str, data: dict) -> dict:
     """The runs table's requests, answered from the run store (every recorded run, any kernel)."""
-    from workbench._src.store import compare, runhistory
 
     try:
         if kind == "delete":
@@ -239,7 +237,6 @@ def _store_request(kind: str, data: dict) -> dict:
 
 
 def _runs_rows() -> list[dict]:
-    from workbench._src.store import compare, runhistory
 
     table = runhistory.runs()
     keep = [
@@ -257,8 +254,6 @@ def _runs_rows() -> list[dict]:
 
 
 def _export(run_id: str, what: str) -> dict:
-    from workbench._src.sinks import runstore
-    from workbench._src.store import runhistory
 
     rec = runhistory.load_run(run_id)
     if what == "figure":
@@ -299,7 +294,6 @@ def _on_session_change(repl, choice) -> None:
 def _describe_session() -> None:
     """Describes the session's replicator now (main thread), so pushes from runs need no TF call."""
     global _replicator
-    from workbench._src.notebook import session
 
     repl = session.current_or_none()
     if repl is None:
@@ -311,7 +305,6 @@ def _describe_session() -> None:
 
 
 def _device_info() -> dict:
-    from workbench._src.core.tf_setup import device_summary
 
     return _jsonable(device_summary())
 

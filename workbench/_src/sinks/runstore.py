@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 from workbench._src.core.run import Event
+from workbench._src.core.tf_setup import tf
 from workbench._src.plots import run_plot
+from workbench._src.sinks import register_default, unregister_default
 
 ENV_VAR = "WORKBENCH_RUNS_DIR"
 DEFAULT_DIR = "runs"
@@ -78,14 +80,12 @@ def directory(path: str | os.PathLike | None):
 
 def install() -> None:
     """Records every run from now on (idempotent): the recorder becomes a default sink."""
-    from workbench._src.sinks import register_default
 
     register_default(_recorder_factory)
 
 
 def uninstall() -> None:
     """Stops recording new runs."""
-    from workbench._src.sinks import unregister_default
 
     unregister_default(_recorder_factory)
 
@@ -275,8 +275,6 @@ def _write_tensorboard(path: Path, columns: dict) -> None:
 
     from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
     from tensorflow.core.util import event_pb2
-
-    from workbench._src.core.tf_setup import tf
 
     names = run_plot.metric_names(columns) + ["examples_per_sec"]
     steps = [int(v) for v in columns["step"]]  # counted from the run's start, as every view counts

@@ -11,6 +11,11 @@ import math
 from typing import NamedTuple
 
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.run import Run
+from workbench._src.core.run_stats import figures, last_metrics
+from workbench._src.plots import theme
+from workbench._src.plots.run_plot import _smooth
+from workbench._src.store.runhistory import load_run
 
 TABLE_COLUMNS = [
     "id",
@@ -86,8 +91,6 @@ class _Loaded(NamedTuple):
 
 
 def _load(run, directory) -> _Loaded:
-    from workbench._src.core.run import Run
-    from workbench._src.store.runhistory import load_run
 
     if isinstance(run, Run):
         return _Loaded(run.id, run.name, run.status, dict(run.config), run.history)
@@ -100,7 +103,6 @@ def _load(run, directory) -> _Loaded:
 
 
 def _row(run: _Loaded) -> dict:
-    from workbench._src.core.run_stats import figures, last_metrics
 
     fig = figures(run.history, running=run.status == "running")
     return {
@@ -117,7 +119,6 @@ def _row(run: _Loaded) -> dict:
 def _figure(runs: list[_Loaded]):
     """Loss (log scale when it spans decades) and smoothed examples/s, one colour per run, in the
     JupyterLab theme's colours (dark figures on a dark theme); legends use the runs' names."""
-    from workbench._src.plots import theme
 
     with theme.context():
         return _draw(runs)
@@ -127,8 +128,6 @@ def _draw(runs: list[_Loaded]):
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from workbench._src.plots.run_plot import _smooth
 
     fig = Figure(figsize=(12, 4.4), dpi=80)
     FigureCanvasAgg(fig)

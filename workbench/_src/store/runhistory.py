@@ -12,6 +12,7 @@ import socket
 from pathlib import Path
 
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.run import live_run
 from workbench._src.sinks.runstore import (
     CONFIG,
     EVENTS,
@@ -238,7 +239,6 @@ def _update_record(folder: Path, **changes) -> dict:
 
 def _tell_live_run(run_id: str, record: dict) -> None:
     """A run of this process still in memory takes the new name and tags (its sinks hear it)."""
-    from workbench._src.core.run import live_run
 
     run = live_run(run_id)
     if run is not None:
