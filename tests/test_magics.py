@@ -248,6 +248,7 @@ def step_fn(x, y):
 FAST_STUDY = "--steps 6 --warmup 2 --steps-per-execution 3 --no-live"
 
 
+@pytest.mark.slow
 def test_scaling_cell_form_rebuilds_the_model_per_replica_count(ip):
     session_repl = magic(ip, "--backend mirrored --replicas 2")
     ip.user_ns["initial_weights"] = []

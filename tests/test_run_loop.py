@@ -268,6 +268,7 @@ def test_custom_input_split_fn_and_callable_input():
 RUN_ID = r"^\d{8}-\d{6}-[0-9a-f]{6}$"
 
 
+@pytest.mark.slow
 def test_run_ids_are_unique_across_processes_and_sort_by_time():
     code = "from workbench._src.core.run import Run\nprint(' '.join(Run({}).id for _ in range(3)))"
     procs = [

@@ -21,6 +21,7 @@ from workbench._src.studies.scaling import (
 FAST = {"steps": 6, "warmup": 2, "steps_per_execution": 3, "live": False}
 
 
+@pytest.mark.slow
 def test_weak_study_with_setup_is_complete_and_starts_each_point_from_the_same_weights(tmp_path):
     import keras
 
