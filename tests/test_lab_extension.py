@@ -579,7 +579,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
 
 
 def test_scaling_study_runs_form_one_group_in_the_sidebar():
-    from workbench._src.sinks.labcomm import study_group
+    from workbench._src.studies.scaling import study_group
 
     assert study_group("scaling weak n=4") == ("scaling weak", False)
     assert study_group("scaling strong n=2 warm-up") == ("scaling strong", True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 from workbench._src import compat
-from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.core.optimizer import ReplicatedOptimizer
 from workbench._src.core.tf_setup import tf
 
@@ -205,3 +205,28 @@ def check_writable_directory(path) -> str:
             f"checkpoint_dir={raw!r}). {fix}"
         )
     return absolute
+
+
+def with_checkpoint_hint(error: BaseException, saver) -> BaseException:
+    """A WorkerError names the last checkpoint to go on from (or says how to keep one)."""
+
+    if not isinstance(error, WorkerError) or not error.args:
+        return error
+    latest = saver.manager.latest_checkpoint if saver is not None else None
+    hint = (
+        checkpoint_hint(latest)
+        or " Pass checkpoint_dir= (and checkpoint_every=) to keep a checkpoint next time."
+    )
+    error.args = (f"{error.args[0]}{hint}", *error.args[1:])
+    return error
+
+
+def checkpoint_hint(latest: str | None) -> str:
+    """What a failed run's error says about its last checkpoint ('' when there is none)."""
+    if not latest:
+        return ""
+    return (
+        f" The last checkpoint is {latest}: build the model on a new replicator and call "
+        f"repl.restore({os.path.dirname(latest)!r}), or train again with checkpoint_dir= that "
+        "folder to go on."
+    )

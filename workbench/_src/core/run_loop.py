@@ -21,7 +21,6 @@ of a second.
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import threading
 import time
@@ -29,9 +28,9 @@ import warnings
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
-
-from workbench._src.core.errors import InputError, NonFiniteError, WorkerError
+from workbench._src.core.checkpoints import checkpoint_hint, with_checkpoint_hint  # noqa: F401 - the launcher's too
+from workbench._src.core.errors import InputError, NonFiniteError
+from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
 from workbench._src.core.run import Run
 from workbench._src.core.run_options import RunOptions
 from workbench._src.sinks import attach_default_sinks
@@ -190,7 +189,7 @@ class ChunkLoop:
             error = self.executor.explain(error)
             if self.executor.healthy():
                 self._save(final=True, failing=True)
-            raise _with_checkpoint_hint(error, self.saver) from None
+            raise with_checkpoint_hint(error, self.saver) from None
         finally:
             self.executor.close()
         if self.saver and status != "non-finite":
@@ -274,7 +273,7 @@ class ChunkLoop:
             if first_call and run.compile_seconds is None:  # (a warm-up has set it already)
                 run.compile_seconds = now - start if compiling else 0.0
             t0 = max(submitted, last)
-            kept = rows if self.opts.on_nonfinite == "ignore" else rows[: _rows_until_nonfinite(rows)]
+            kept = rows if self.opts.on_nonfinite == "ignore" else rows[: rows_until_nonfinite(rows)]
             self._record(
                 kept,
                 program.steps_done - done + 1,
@@ -393,58 +392,6 @@ class ChunkLoop:
             raise self.executor.explain(error) from None
         if path:
             self.run.publish("checkpoint", path=path, final=final)
-
-
-def _with_checkpoint_hint(error: BaseException, saver) -> BaseException:
-    """A WorkerError names the last checkpoint to go on from (or says how to keep one)."""
-
-    if not isinstance(error, WorkerError) or not error.args:
-        return error
-    latest = saver.manager.latest_checkpoint if saver is not None else None
-    hint = (
-        checkpoint_hint(latest)
-        or " Pass checkpoint_dir= (and checkpoint_every=) to keep a checkpoint next time."
-    )
-    error.args = (f"{error.args[0]}{hint}", *error.args[1:])
-    return error
-
-
-def checkpoint_hint(latest: str | None) -> str:
-    """What a failed run's error says about its last checkpoint ('' when there is none)."""
-    if not latest:
-        return ""
-    return (
-        f" The last checkpoint is {latest}: build the model on a new replicator and call "
-        f"repl.restore({os.path.dirname(latest)!r}), or train again with checkpoint_dir= that "
-        "folder to go on."
-    )
-
-
-def _rows_until_nonfinite(rows: np.ndarray) -> int:
-    """How many rows to record: up to and including the first with a NaN/Inf metric."""
-    bad = ~np.isfinite(rows[:, :-1]).all(axis=1)
-    return int(np.argmax(bad)) + 1 if bad.any() else len(rows)
-
-
-def first_nonfinite(rows: np.ndarray, first_step: int, names, on_nonfinite: str, checkpoint_kept: bool):
-    """The message for the first NaN/Inf metric in `rows` (steps x metrics + batch), else None;
-    also warned when on_nonfinite="stop"."""
-    values = rows[:, :-1]
-    bad = ~np.isfinite(values)
-    if not bad.any():
-        return None
-    i, j = map(int, np.argwhere(bad)[0])
-    metric = (names or ["?"])[j]
-    message = (
-        f"Training stopped at step {first_step + i}: metric {metric!r} is {values[i, j]} "
-        f"(last finite value at step {first_step + i - 1}). Common causes: a learning rate "
-        "too high, a log/division of zero, or the loss summed instead of averaged. The "
-        "history up to that step is in run.history"
-        + ("; the last checkpoint before it is kept." if checkpoint_kept else ".")
-    )
-    if on_nonfinite == "stop":
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-    return message
 
 
 class _stop_on_sigint:

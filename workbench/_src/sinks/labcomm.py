@@ -50,6 +50,7 @@ from workbench._src.notebook import session
 from workbench._src.plots import theme
 from workbench._src.sinks import register_default, runstore
 from workbench._src.store import compare, runhistory
+from workbench._src.studies.scaling import study_group
 
 TARGET = "workbench.lab"
 PROTOCOL = 1
@@ -269,20 +270,6 @@ def _export(run_id: str, what: str) -> dict:
         "mime": mime,
         "data": base64.b64encode(data).decode("ascii"),
     }
-
-
-def study_group(name: str) -> tuple[str | None, bool]:
-    """(group, is_warmup) from a run's name: a scaling study's runs ('scaling weak n=2 warm-up ·
-    mirrored · 14:02:33', named by studies/scaling.py) share the group 'scaling weak · mirrored
-    · 14:02:33' (mode, backend, start time: two studies never merge), shown as one sidebar group
-    with a line per configuration; warm-up runs (untimed, they absorb tracing) are not shown once
-    they ended. Older names ('scaling weak n=2') group as 'scaling weak'."""
-    import re
-
-    name = re.sub(r" \(\d+\)$", "", name)  # the store's clash suffix
-    match = re.fullmatch(r"(scaling \w+) n=\d+( warm-up)?((?: \u00b7 [^\u00b7]+)*)", name)
-    warmup = name == "warm-up" or name.endswith(" warm-up") or bool(match and match.group(2))
-    return (match.group(1) + match.group(3) if match else None), warmup
 
 
 # ----- the session and the runs ------------------------------------------------------------

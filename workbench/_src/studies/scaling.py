@@ -21,6 +21,7 @@ modes the speed-up is a ratio of examples per second.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -318,7 +319,7 @@ def scaling_study(
             build = Build(setup, step_fn, input_fn, mode, global_batch, seed)
             options = {"steps_per_execution": steps_per_execution, "reduce": reduce}
             # The name tells the study apart from others (backend, start time): the sidebar
-            # groups its runs by it (labcomm.study_group).
+            # groups its runs by it (study_group below).
             name = f"scaling {mode} n={n} \u00b7 {repl.backend} \u00b7 {study_started}"
             run, compile_seconds = measure(repl, build, warmup, steps, name, options)
             study.runs[n] = run
@@ -406,3 +407,15 @@ class _quiet_retracing:
     def __exit__(self, *exc):
         self.logger.removeFilter(self.filter)
         return False
+
+
+def study_group(name: str) -> tuple[str | None, bool]:
+    """(group, is_warmup) from a run's name: a scaling study's runs ('scaling weak n=2 warm-up ·
+    mirrored · 14:02:33', named by studies/scaling.py) share the group 'scaling weak · mirrored
+    · 14:02:33' (mode, backend, start time: two studies never merge), shown as one sidebar group
+    with a line per configuration; warm-up runs (untimed, they absorb tracing) are not shown once
+    they ended. Older names ('scaling weak n=2') group as 'scaling weak'."""
+    name = re.sub(r" \(\d+\)$", "", name)  # the store's clash suffix
+    match = re.fullmatch(r"(scaling \w+) n=\d+( warm-up)?((?: \u00b7 [^\u00b7]+)*)", name)
+    warmup = name == "warm-up" or name.endswith(" warm-up") or bool(match and match.group(2))
+    return (match.group(1) + match.group(3) if match else None), warmup
