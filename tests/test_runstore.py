@@ -330,3 +330,61 @@ def test_tensorboard_writer_does_not_retrace(runs_dir, toy):
     finally:
         logger.removeHandler(handler)
     assert not [m for m in seen if "retracing" in m], seen
+
+
+def test_delete_runs_refuses_a_symbolic_link(runs_dir, toy, tmp_path):
+    run = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=3)
+    target = runs_dir / run.id
+    link = runs_dir / "20200101-000000-abcdef"
+    link.symlink_to(target)
+    with pytest.raises(
+        wb.ConfigurationError, match=r"20200101-000000-abcdef \(a link to .*\) is a symbolic link"
+    ):
+        wb.delete_runs([run.id, link.name])
+    assert target.is_dir() and link.is_symlink()  # nothing was deleted, the target least of all
+
+
+KILLED_KERNEL = """
+import sys, time
+import workbench as wb
+from workbench._src.sinks import runstore
+
+wb.set_runs_dir(sys.argv[1])
+runstore.install()
+import tensorflow as tf
+
+repl = wb.NonReplicator()
+with repl.context():
+    w = tf.Variable(1.0)
+run = repl.train(
+    lambda x: {"loss": tf.reduce_sum(x) * w},
+    lambda ctx: tf.data.Dataset.from_tensors(tf.ones([4])).repeat(),
+    steps=10**9, steps_per_execution=50, background=True,
+)
+print(run.id, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_kernel_loses_at_most_about_a_second_of_history(runs_dir):
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KILLED_KERNEL, str(runs_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        run_id = kernel.stdout.readline().strip()
+        history = runs_dir / run_id / "history.csv"
+        wait_for(lambda: history.exists() and len(history.read_text().splitlines()) > 100, timeout=120)
+        time.sleep(3.0)  # training at a steady rate, the store flushing as it goes
+        killed = time.time()
+        kernel.kill()
+        kernel.wait(30)
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+    record = json.loads((runs_dir / run_id / "config.json").read_text())
+    rows = pd.read_csv(history)
+    lost_seconds = killed - (record["started"] + rows["wall_time"].iloc[-1])
+    rate = len(rows) / rows["wall_time"].iloc[-1]
+    assert lost_seconds < 1.6, f"{lost_seconds:.2f} s of history lost (~{lost_seconds * rate:.0f} rows)"
+    assert wb.runs(runs_dir).set_index("id").loc[run_id, "status"] == "lost"

@@ -74,6 +74,14 @@ def delete_runs(run_ids, directory: str | os.PathLike | None = None) -> list[str
         run_ids = [run_ids]
     base = Path(directory) if directory is not None else runs_dir()
     folders = [_find(base, getattr(r, "id", r), any_base=directory is None) for r in run_ids]
+    links = [f for f in folders if f.is_symlink()]
+    if links:
+        raise ConfigurationError(
+            f"delete_runs: {', '.join(f'{f.name} (a link to {os.readlink(f)})' for f in links)} is a "
+            f"symbolic link, not a folder the run store made; received {list(run_ids)!r}. Nothing was "
+            "deleted. Fix: remove the link yourself (`rm` on its path) if that is what you meant; "
+            "delete_runs never follows a link into another folder."
+        )
     running = [f.name for f in folders if (_read_record(f) or {}).get("status") in ("running", "created")]
     if running:
         raise ConfigurationError(
