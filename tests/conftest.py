@@ -2,6 +2,7 @@
 distribute tests do with set_logical_devices_to_at_least), so multi-replica tests run anywhere."""
 
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -29,6 +30,16 @@ def pytest_sessionfinish(session, exitstatus):
     reaper.exit_code_hint = int(exitstatus)
 
 
+@pytest.fixture(autouse=True)
+def _end_warm_pools():
+    """A test's warm worker pools end with it (launch/pool.py keeps them between runs): later
+    tests start from none, and no_orphans sees the processes go."""
+    yield
+    pool = sys.modules.get("workbench._src.launch.pool")
+    if pool is not None:
+        pool.shutdown()
+
+
 @pytest.fixture
 def no_orphans():
     adopt_orphans(True)
@@ -38,6 +49,9 @@ def no_orphans():
         return [line for line in cluster_processes() if line.split()[0] not in before]
 
     yield
+    pool = sys.modules.get("workbench._src.launch.pool")
+    if pool is not None:  # warm pools outlive their runs by design; they end with the test
+        pool.shutdown()
     deadline = time.monotonic() + 10
     while left_behind() and time.monotonic() < deadline:
         time.sleep(0.2)

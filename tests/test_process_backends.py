@@ -204,7 +204,8 @@ def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatc
         handle(watch, task, message)
 
     monkeypatch.setattr(launcher._Watch, "_handle", read_late)
-    results = wb.MultiWorkerReplicator(num_workers=2).run_on_workers(worker_number)
+    # pool=False: each worker exits after its result (a warm pool's stay up for the next run).
+    results = wb.MultiWorkerReplicator(num_workers=2, pool=False).run_on_workers(worker_number)
     assert held and sorted(results) == [0, 1]
 
 
@@ -420,10 +421,10 @@ def test_a_checkpointed_multi_worker_run_leaves_no_temporary_folders(tmp_path, m
     private_tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(private_tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    run = wb.MultiWorkerReplicator(num_workers=2).train(
-        setup=regression_setup, steps=20, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10
-    )
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    run = repl.train(setup=regression_setup, steps=20, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=10)
     assert run.status == "finished" and tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("-20")
     assert [e.data["path"] for e in run.events if e.kind == "checkpoint"]  # the chief saved
+    repl.shutdown()  # the warm pool keeps its folders while it lives; they go with it
     # (TensorFlow's AutoGraph writes its own generated files there, in this process: not ours.)
     assert [name for name in os.listdir(private_tmp) if name.startswith("workbench")] == []

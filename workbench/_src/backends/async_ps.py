@@ -54,6 +54,8 @@ class AsyncPsPlan(LaunchPlan):
     startup_timeout: float = 120.0
     heartbeat_timeout: float = 10.0
     threads_per_server: int | None = None
+    idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
+    pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
@@ -99,6 +101,10 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
       startup_timeout: seconds for the local servers to come up.
       heartbeat_timeout: a local coordinator process silent this long is declared frozen.
       threads_per_server: TensorFlow threads in each local server (None: TensorFlow's choice).
+      idle_timeout: seconds a warm pool (coordinator and servers) stays up unused (None: until
+        shutdown()).
+      pool: keep the coordinator and its servers warm between runs of the same shape (False:
+        start and stop them for every run).
 
     Example (the model is built in the coordinator process from the setup function):
       >>> import workbench as wb
@@ -120,10 +126,14 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         startup_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         threads_per_server: int | None = None,
+        idle_timeout: float | None = 600.0,
+        pool: bool = True,
         **input_options,
     ):
         super().__init__(**input_options)
-        self.plan = AsyncPsPlan(num_workers, num_ps, startup_timeout, heartbeat_timeout, threads_per_server)
+        self.plan = AsyncPsPlan(
+            num_workers, num_ps, startup_timeout, heartbeat_timeout, threads_per_server, idle_timeout, pool
+        )
         self._cluster_option = cluster
         self.coordinator = None
         self.servers: LocalServers | None = None  # started by this process (a local coordinator)
@@ -183,13 +193,9 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
             return resolver
         # Here in a coordinator process the launcher started (in the notebook the replicator is
         # remote and never gets here): its servers are its own children.
-        plan = self.plan
-        self.servers = LocalServers(
-            plan.num_workers,
-            plan.num_ps,
-            threads=plan.threads_per_server,
-            startup_timeout=plan.startup_timeout,
-        )
+        if self.servers is None:
+            self.prepare_launched_process()
+        self.wait_for_own_servers()
         self.startup_seconds = self.servers.startup_seconds
         t = tf()
         return t.distribute.cluster_resolver.SimpleClusterResolver(
@@ -212,6 +218,21 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         self._shutdown_reason = reason
         if _connected is not None and _connected() is self:
             _connected = None
+
+    def prepare_launched_process(self) -> None:
+        """Starts the local servers before this process imports TensorFlow (worker_main), so
+        their imports run alongside its own; the strategy waits for them to listen."""
+        plan = self.plan
+        self.servers = LocalServers(
+            plan.num_workers,
+            plan.num_ps,
+            threads=plan.threads_per_server,
+            startup_timeout=plan.startup_timeout,
+        )
+
+    def wait_for_own_servers(self) -> None:
+        if self.servers is not None:
+            self.servers.wait_until_listening()
 
     def close_launched_process(self) -> None:
         self.shutdown(reason="the coordinator process is ending")

@@ -37,6 +37,8 @@ class MultiWorkerPlan(LaunchPlan):
     startup_timeout: float = 120.0
     heartbeat_timeout: float = 10.0
     threads_per_worker: int | None = None
+    idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
+    pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
@@ -109,6 +111,9 @@ class MultiWorkerReplicator(ProcessBackend):
         (TensorFlow alone waits forever for a peer that never comes).
       heartbeat_timeout: a local worker silent this long is declared frozen and the run stopped.
       threads_per_worker: TensorFlow intra/inter-op threads in each local worker (None: TF's).
+      idle_timeout: seconds a warm pool of local workers stays up unused (None: until shutdown()).
+      pool: keep the local workers warm between runs of the same shape (False: start and stop
+        them for every run).
 
     Example (functions defined in a notebook travel to the workers by value):
       >>> import workbench as wb
@@ -129,15 +134,20 @@ class MultiWorkerReplicator(ProcessBackend):
         startup_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
         threads_per_worker: int | None = None,
+        idle_timeout: float | None = 600.0,
+        pool: bool = True,
         **input_options,
     ):
         super().__init__(**input_options)
         self.plan = MultiWorkerPlan(
-            num_workers, devices_per_worker, startup_timeout, heartbeat_timeout, threads_per_worker
-        )
+            num_workers, devices_per_worker, startup_timeout, heartbeat_timeout, threads_per_worker,
+            idle_timeout, pool,
+        )  # fmt: skip
         self.devices_per_worker = self.plan.devices_per_worker
-        # A launched worker reads TF_CONFIG, checked as the user's would be.
-        self._resolver = cluster_resolver("TF_CONFIG" if cluster is None else cluster)
+        self._cluster_option = cluster
+        self._resolver_made = None
+        if cluster is not None or not runtime.is_launched():
+            self._resolver  # noqa: B018 - a wrong cluster= is an error at construction
         self._agree_fn = None
         self._scratch = None  # a non-chief worker's checkpoint folder
 
@@ -157,6 +167,16 @@ class MultiWorkerReplicator(ProcessBackend):
         return cls(num_workers=num_workers, devices_per_worker=devices_per_worker, **kwargs)
 
     # ----- the cluster ------------------------------------------------------------------------
+    @property
+    def _resolver(self):
+        # Made on first use, not in the constructor: it imports TensorFlow, and a launched
+        # worker builds this face before its import (worker_main).
+        if self._resolver_made is None:
+            # A launched worker reads TF_CONFIG, checked as the user's would be.
+            option = self._cluster_option
+            self._resolver_made = cluster_resolver("TF_CONFIG" if option is None else option)
+        return self._resolver_made
+
     @property
     def num_workers(self) -> int:
         spec = self._resolver.cluster_spec().as_dict()

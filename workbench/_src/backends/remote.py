@@ -14,7 +14,10 @@ Two faces of one backend:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import inspect
+import sys
 
 from workbench._src.backends.registry import spec
 from workbench._src.core.cells import CELL_FILENAME, execute_source
@@ -49,6 +52,14 @@ class LaunchPlan:
         """How long the launcher waits for every process to be ready."""
         return self.startup_timeout
 
+    # Fields that change how long to wait or keep, not which processes run.
+    NOT_SHAPE = ("startup_timeout", "heartbeat_timeout", "idle_timeout", "pool")
+
+    def shape(self) -> tuple:
+        """What defines the processes (a warm pool is reused only by a plan of the same shape)."""
+        fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return (type(self).__name__, *[(k, v) for k, v in fields if k not in self.NOT_SHAPE])
+
 
 class ProcessBackend(Replicator):
     """Base of the backends that have a launch plan (`Plan`: a LaunchPlan subclass whose fields
@@ -71,6 +82,25 @@ class ProcessBackend(Replicator):
 
     def close_launched_process(self) -> None:
         """Called before a launched process exits hard (os._exit skips every finalizer)."""
+
+    def prepare_launched_process(self) -> None:
+        """Called before TensorFlow is imported in a launched process (async-ps: starts its
+        servers, so their start overlaps this process's import)."""
+
+    def wait_for_own_servers(self) -> None:
+        """Waits until the servers prepare_launched_process started listen (none by default)."""
+
+    def release_run_state(self) -> None:
+        """Between two runs of a warm pool: drops what the last run built (compiled programs and
+        their input iterators, the variables it recorded, Keras's global state) so memory stays
+        flat run after run. The strategy, its cluster and the servers are kept: that is the pool.
+        Variables on parameter servers are freed there when their last handle here goes."""
+        self._programs.clear()
+        self._created_variables.clear()
+        keras = sys.modules.get("keras")
+        if keras is not None:
+            keras.backend.clear_session(free_memory=False)  # layer names, graph, kernel caches
+        gc.collect()
 
 
 class RemoteReplicator(Replicator):
@@ -105,6 +135,16 @@ class RemoteReplicator(Replicator):
     def processes(self) -> list[dict]:
         """Role, index and pid of every process of the last launch."""
         return self.launcher.last_processes
+
+    @property
+    def pool_shape(self) -> tuple:
+        """What defines this replicator's processes: replicators of one shape share a warm pool."""
+        return self.plan.shape()
+
+    def shutdown(self) -> None:
+        """Ends the warm pool of this replicator's processes (now when idle, else after its run).
+        The next run starts fresh ones. Also done after `idle_timeout` and at exit."""
+        self.launcher.shutdown()
 
     def describe(self) -> dict:
         return self.plan.describe()

@@ -212,6 +212,8 @@ class Run:
             if fig[key] is not None:
                 out[key] = fig[key]
         out.update(last_metrics(h))
+        if getattr(self, "startup", None):  # a launched run: seconds per phase of its start
+            out["startup"] = dict(self.startup)
         return out
 
     # ----- control ------------------------------------------------------------------------

@@ -178,6 +178,42 @@ class ParentLink:
             _clean_up_if_orphaned()  # this may be the last thing the process does
             raise
 
+    def start_reader(self) -> None:
+        """Reads the parent's messages on a thread: a "stop" goes to `on_stop` at once (the run
+        that is going; none between runs), anything else waits for `next_message()`. One reader,
+        so a stop listener of one run can never swallow the next run's work."""
+        self.on_stop = None
+        self.current_run = None  # the run number of the work being done (stops name theirs)
+        self.stop_pending = False  # this run's stop came before its run loop started
+        self._inbox: queue.Queue = queue.Queue()
+
+        def read():
+            while True:
+                try:
+                    message = self.recv()
+                except (EOFError, OSError):
+                    self._inbox.put(None)  # the parent is gone
+                    return
+                if message.get("type") == "stop":
+                    if message.get("run") != self.current_run:
+                        continue  # a late stop of a run that has ended: not for this one
+                    callback = self.on_stop
+                    if callback is not None:
+                        callback()
+                    else:
+                        self.stop_pending = True
+                else:
+                    self._inbox.put(message)
+
+        threading.Thread(target=read, name="workbench parent reader", daemon=True).start()
+
+    def next_message(self) -> dict | None:
+        """The parent's next work or shutdown message; None when the parent has gone."""
+        message = self._inbox.get()
+        if message is not None and message.get("type") == "work":
+            self.stop_pending, self.current_run = False, message.get("run")
+        return message
+
     def start_heartbeat(self, every: float = 0.5) -> None:
         def beat():
             while True:

@@ -20,11 +20,8 @@ from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.run_loop import checkpoint_hint, drive, new_run
 from workbench._src.core.run_options import options_from
+from workbench._src.launch import pool as pools
 from workbench._src.launch import shipping
-from workbench._src.launch.channel import Channel
-from workbench._src.launch.processes import ProcessGroup
-
-WORKER_MODULE = "workbench._src.launch.worker_main"
 
 
 @dataclasses.dataclass
@@ -52,6 +49,7 @@ class Launcher:
         self.backend = backend
         self.plan = plan
         self.last_processes: list[dict] = []  # role/index/pid of every process of the last launch
+        self.pool = None  # the pool of the last launch (launch/pool.py)
 
     @property
     def startup_timeout(self) -> float:
@@ -80,6 +78,10 @@ class Launcher:
                 raise
             chief = results[self.chief]
             run.compile_seconds = chief.get("compile_seconds")
+            startup = getattr(run, "startup", None)
+            if startup is not None:  # the rest of the start, measured in the chief
+                startup["build"] = round(chief.get("build_seconds") or 0.0, 3)
+                startup["first trace"] = round(chief.get("compile_seconds") or 0.0, 3)
             if chief.get("executed_steps") is not None:
                 run.executed_steps = chief["executed_steps"]
             status, reason = chief["status"], chief["reason"]
@@ -92,38 +94,70 @@ class Launcher:
         return drive(run, body, opts.background, opts.on_nonfinite)
 
     def launch(self, work, run=None, timeout: float | None = None) -> dict:
-        """Starts the processes, hands them `work`, follows them to the end; returns task -> result."""
+        """Hands `work` to the processes of a pool (a warm one of the same shape, or one started
+        now), follows them to the end; returns task -> result. A run that ended cleanly leaves
+        the pool warm for the next; anything else retires it (launch/pool.py)."""
         payload = shipping.dumps_for_workers(work)
-        tasks = self.plan.tasks()
-        self.chief = tasks[0].name  # whose run events and result are the run's
-        group = ProcessGroup(self.backend)
-        channel = Channel(group)
-        watch = _Watch(self, tasks, group, channel, run, payload, timeout)
+        pool, notes = pools.checkout(self.backend, self.plan)
+        self.pool = pool
+        for note in notes:
+            if run is not None:
+                run.publish("message", text=note)
+        self.chief = pool.tasks[0].name  # whose run events and result are the run's
+        watch = _Watch(self, pool, run, payload, timeout)
+        healthy, reason = False, ""
         try:
-            for task in tasks:
-                group.start(task.role, task.index, WORKER_MODULE, {**channel.env(), **task.env})
-            self.last_processes = [{"role": c.role, "index": c.index, "pid": c.pid} for c in group.children]
+            if pool.fresh:
+                pool.start()
+            else:
+                pool.send_work(payload, watch.number)
+            pool.runs += 1
+            self.last_processes = pool.processes
             if run is not None:
                 run.processes = self.last_processes  # the same list: a coordinator's servers join it
-            return watch.follow()
+            results = watch.follow()
+            healthy = True
+            return results
+        except BaseException as error:
+            reason = (
+                f"the last run failed: {str(error).splitlines()[0][:120]}"
+                if str(error)
+                else "the last run failed"
+            )
+            raise
         finally:
-            group.stop(grace=1.0)  # MWMS ignores SIGTERM: the SIGKILL after the grace does it
-            channel.close()
+            # A run can finish with a member gone (async-ps survives a dead worker): that pool
+            # is not whole any more, so it is not kept either.
+            lost = pool.dead_member() if healthy else ""
+            pools.checkin(
+                pool, healthy and not lost, reason or (f"{lost} during the last run" if lost else "")
+            )
+
+    def shutdown(self) -> None:
+        """Ends this plan's warm pool (an idle one now; a busy one when its run ends)."""
+        pools.shutdown(self.plan.shape())
 
 
 class _Watch:
     """Follows one launch: hands out work, relays events, notices deaths, freezes and stalls."""
 
-    def __init__(self, launcher: Launcher, tasks, group, channel, run, payload, timeout):
-        self.launcher, self.group, self.channel, self.run = launcher, group, channel, run
+    def __init__(self, launcher: Launcher, pool, run, payload, timeout):
+        self.launcher, self.pool, self.run = launcher, pool, run
+        self.group, self.channel = pool.group, pool.channel
         self.payload, self.timeout = payload, timeout
-        self.tasks = [t.name for t in tasks]
+        self.tasks = [t.name for t in pool.tasks]
         self.chief = self.tasks[0]
         self.heard: dict[str, float] = {}
         self.ready: set[str] = set()
         self.results: dict = {}
         self.stop_sent = False
         self.started = time.monotonic()
+        self.started_wall = time.time()  # the processes report wall-clock milestones
+        self.phases: dict[str, dict] = {}
+        self.warm = not pool.fresh
+        self.number = pool.runs + 1  # this run's number in the pool: its stop requests carry it
+        if self.warm:  # connected long ago: their heartbeats count from now
+            self.heard = {task: self.started for task in self.tasks}
 
     def follow(self) -> dict:
         while len(self.results) < len(self.tasks):
@@ -140,18 +174,28 @@ class _Watch:
         kind = message.get("type")
         self.heard[task] = time.monotonic()
         if kind == "hello":
-            self.channel.send(task, {"type": "work", "payload": self.payload})
+            # "last": a pool that is not kept (pool=False) runs one work item and exits, the
+            # path from before pools.
+            work = {"type": "work", "payload": self.payload, "run": self.number, "last": not self.pool.keep}
+            self.channel.send(task, work)
             if self.stop_sent:  # a stop asked for before this process connected
-                self.channel.send(task, {"type": "stop"})
+                self.channel.send(task, {"type": "stop", "run": self.number})
         elif kind == "ready":
             self.ready.add(task)
+            self.phases[task] = message.get("phases") or {}
             if len(self.ready) == len(self.tasks) and self.run is not None:
                 seconds = time.monotonic() - self.started
                 self.run.startup_seconds = seconds
-                self.run.publish(
-                    "message", text=f"{self.launcher.backend} processes ready in {seconds:.1f} s"
+                self.run.startup = startup_phases(self.phases.values(), self.started_wall, self.warm)
+                backend, phases = self.launcher.backend, _phase_text(self.run.startup)
+                text = (
+                    f"{backend} warm pool (run {self.pool.runs}) ready in {seconds:.1f} s"
+                    if self.warm
+                    else f"{backend} processes ready in {seconds:.1f} s ({phases})"
                 )
+                self.run.publish("message", text=text)
         elif kind == "processes":  # what a coordinator started itself (async-ps servers)
+            self.pool.extra.extend(message["children"])  # (a warm pool's runs list them too)
             self.launcher.last_processes.extend(message["children"])
         elif kind == "event":
             self._relay(task, message)
@@ -218,7 +262,7 @@ class _Watch:
         if self.timeout is not None and now - self.started > self.timeout:
             self._raise(f"the workers did not finish within timeout={self.timeout} s.", None)
         if self.run is not None and self.run.stop_requested and not self.stop_sent:
-            self.channel.broadcast({"type": "stop"})
+            self.channel.broadcast({"type": "stop", "run": self.number})
             self.stop_sent = True
 
     def _fail_after_error(self, task: str, message: dict) -> None:
@@ -292,6 +336,37 @@ class _Watch:
                 log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
         backend = self.launcher.backend
         raise WorkerError(f"{backend} run failed: {text}{log}", task=_label(task) if task else None)
+
+
+PHASES = ("spawn", "imports", "servers", "cluster join", "shipping")
+
+
+def startup_phases(reports, started_wall: float, warm: bool) -> dict:
+    """run.startup: seconds per phase of the start, each the slowest process's. A process reports
+    wall-clock milestones (worker_main): entered (its interpreter runs our code), imported
+    (TensorFlow), servers (its own servers listen: async-ps), joined (the strategy is built),
+    unpickled (the work is ready to run). Consecutive milestones, so the phases add up to the
+    wait. A warm pool's start is one phase, the hand-off."""
+    if warm:
+        return {
+            "handoff": round(
+                max((r.get("unpickled", started_wall) for r in reports), default=started_wall) - started_wall,
+                3,
+            )
+        }
+    marks = ("entered", "imported", "servers", "joined", "unpickled")
+    out = dict.fromkeys(PHASES, 0.0)
+    for report in reports:
+        previous = started_wall
+        for phase, mark in zip(PHASES, marks):
+            at = report.get(mark, previous)
+            out[phase] = max(out[phase], at - previous)
+            previous = at
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def _phase_text(startup: dict) -> str:
+    return ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
 
 
 def task_order(task: str):

@@ -33,16 +33,28 @@ class LocalServers:
         env = {"WORKBENCH_CLUSTER": json.dumps(self.cluster), "CUDA_VISIBLE_DEVICES": ""}
         if threads:
             env["WORKBENCH_WORKER_THREADS"] = str(threads)
-        started = time.monotonic()
+        self.started = time.monotonic()
+        self.startup_timeout = startup_timeout
+        self.startup_seconds: float | None = None  # until listening
         try:
             for role in ("ps", "worker"):
                 for i in range(len(self.cluster[role])):
                     self.group.start(role, i, SERVER_MODULE, env)
-            self._wait_until_listening(started, startup_timeout)
         except BaseException:
             self.group.stop()
             raise
-        self.startup_seconds = time.monotonic() - started
+
+    def wait_until_listening(self) -> None:
+        """Returns once every server listens (at once the second time); stops them all and
+        raises when one dies or the startup timeout passes."""
+        if self.startup_seconds is not None:
+            return
+        try:
+            self._wait_until_listening(self.started, self.startup_timeout)
+        except BaseException:
+            self.group.stop()
+            raise
+        self.startup_seconds = time.monotonic() - self.started
 
     def _wait_until_listening(self, started: float, startup_timeout: float) -> None:
         pending = {

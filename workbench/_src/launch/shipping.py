@@ -15,10 +15,9 @@ Back, over the channel: {"type": "event", kind, step, data} for the run's events
 
 from __future__ import annotations
 
-import contextlib
 import io
 import pickle
-import threading
+import time
 import traceback
 
 from workbench._src.core.cells import CELL_FILENAME, execute_source, functions_defined
@@ -47,19 +46,21 @@ class TrainWork:
             if chief or event.kind == "message":
                 link.send({"type": "event", "kind": event.kind, "step": event.step, "data": event.data})
 
+        timing: dict = {}
+        setup = _TimedSetup(self.setup, timing) if self.setup is not None else None
         run = repl.train(
-            self.step_fn, self.input_fn, self.steps, setup=self.setup,
+            self.step_fn, self.input_fn, self.steps, setup=setup,
             background=True, sinks=[forward], **self.options,
         )  # fmt: skip
-
-        def listen():  # the launcher's stop requests (run.stop(), the Stop button, an interrupt)
-            with contextlib.suppress(EOFError, OSError):
-                while True:
-                    if link.recv().get("type") == "stop":
-                        run.stop()
-
-        threading.Thread(target=listen, name="workbench stop listener", daemon=True).start()
-        run._done.wait()
+        # The launcher's stop requests (run.stop(), the Stop button, an interrupt) come through
+        # the link's one reader (channel.ParentLink.start_reader), for this run only.
+        link.on_stop = run.stop
+        if link.stop_pending:
+            run.stop()
+        try:
+            run._done.wait()
+        finally:
+            link.on_stop = None
         if run.status == "failed":
             raise run.error
         weights = [(v.name, v.numpy()) for v in repl._created_variables] if chief else None
@@ -69,8 +70,23 @@ class TrainWork:
             "steps": run.steps,
             "weights": weights,
             "compile_seconds": run.compile_seconds,
+            "build_seconds": timing.get("build_seconds"),
             "executed_steps": getattr(run, "executed_steps", None),
         }
+
+
+class _TimedSetup:
+    """setup(repl), timed: the 'build' phase of a run's start (run.startup)."""
+
+    def __init__(self, setup, timing: dict):
+        self.setup, self.timing = setup, timing
+
+    def __call__(self, repl):
+        started = time.perf_counter()
+        try:
+            return self.setup(repl)
+        finally:
+            self.timing["build_seconds"] = time.perf_counter() - started
 
 
 class CallWork:

@@ -1,45 +1,70 @@
 """A process of a local multi-process run: `python -m workbench._src.launch.worker_main`.
 
-Started by a Launcher with the backend's name and options, its task, and the channel's address
-and key in its environment (TF_CONFIG too for a multi-worker worker). It connects back, receives
-the work (cloudpickled), builds this process's replicator (a multi-worker worker joins its peers;
-the async-ps coordinator starts its parameter servers and workers), runs the work, sends the
-result, and exits hard (os._exit): TensorFlow's collective runtime can hang a normal interpreter
-shutdown, and the launcher already has all it needs. os._exit skips TensorFlow's clean-up of its
-AutoGraph files, so the process removes its own temp folder (its TMPDIR, processes.py) first.
+Started by a Launcher (through a pool, launch/pool.py) with the backend's name and options, its
+task, and the channel's address and key in its environment (TF_CONFIG too for a multi-worker
+worker). It connects back, builds this process's replicator (a multi-worker worker joins its
+peers; the async-ps coordinator starts its parameter servers and workers), then serves work
+items one after the other: run one (cloudpickled), send the result, free what it left
+(`release_run_state`), wait for the next. That loop is the warm pool: TensorFlow stays imported,
+the servers up and the cluster formed. A "shutdown" message, the parent's death (EOF) or an
+error ends it with os._exit: TensorFlow's collective runtime can hang a normal interpreter
+shutdown. os._exit skips TensorFlow's clean-up of its AutoGraph files, so the process removes its
+own temp folder (its TMPDIR, processes.py) first.
+
+It reports wall-clock milestones of its start in the "ready" message (launcher.startup_phases):
+the slow parts (importing TensorFlow, starting servers, joining the cluster) overlap across
+processes, and the async-ps coordinator starts its servers *before* importing TensorFlow, so
+their imports run while its own does.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 def main() -> None:
+    entered = time.time()
     from workbench._src.launch.channel import ParentLink, exit_when_parent_dies
 
     exit_when_parent_dies()
     link = ParentLink()
+    link.start_reader()
     link.start_heartbeat()
     code = 1
     repl = None
     try:
-        message = link.recv()
-        _configure_tensorflow()
         from workbench._src.launch import runtime
 
         runtime.mark_launched()
-        repl = runtime.process_replicator()
-        repl.strategy  # noqa: B018 - joins the peers (multi-worker) or starts the servers (async-ps)
+        repl = runtime.process_replicator()  # no TensorFlow yet: the face reads its options only
+        repl.prepare_launched_process()  # async-ps: its servers start now, importing in parallel
+        phases = {"entered": entered}
+        _configure_tensorflow()
+        phases["imported"] = time.time()
+        repl.wait_for_own_servers()
+        phases["servers"] = time.time()
+        repl.strategy  # noqa: B018 - joins the peers (multi-worker) or connects the servers (async-ps)
+        phases["joined"] = time.time()
         children = repl.started_processes()
         if children:
             link.send({"type": "processes", "children": children})
-        link.send({"type": "ready"})
         import cloudpickle
 
-        work = cloudpickle.loads(message["payload"])
-        result = work(repl, link)
-        link.send({"type": "result", "value": result})  # (the launcher expects the exit after it)
+        message = link.next_message()
+        while message is not None and message.get("type") == "work":
+            work = cloudpickle.loads(message["payload"])
+            phases["unpickled"] = time.time()
+            link.send({"type": "ready", "phases": phases})
+            result = work(repl, link)
+            link.send({"type": "result", "value": result})
+            del work, result
+            if message.get("last"):
+                break  # (pool=False: one run per process, as before pools)
+            repl.release_run_state()  # the run's variables, iterators, programs: memory stays flat
+            message = link.next_message()
+            phases = {}
         code = 0
     except BaseException as error:  # noqa: BLE001 - reported to the launcher, which raises it
         from workbench._src.launch.shipping import format_exception

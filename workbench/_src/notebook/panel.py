@@ -9,6 +9,7 @@ follows choices made by the magic. Its state is plain traitlets (`backend`, `rep
 from __future__ import annotations
 
 import html
+import time
 
 import ipywidgets as w
 import traitlets
@@ -29,6 +30,7 @@ class Panel(w.VBox):
     steps = traitlets.Int(300, help="steps Run trains")
     magic_line = traitlets.Unicode("", help="the %replicate line that does what Run does")
     status = traitlets.Unicode("", help="what the panel last did, or why it could not")
+    pool_text = traitlets.Unicode("", help="the warm worker pools of this kernel ('' when none)")
 
     def __init__(self, namespace: dict | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -47,6 +49,7 @@ class Panel(w.VBox):
             self.replicas = min(2, self.max_replicas)
             self._syncing = False
         self._sync_widgets()
+        self.refresh_pool()
         self._unobserve_session = session.observe(self._follow)
 
     # ----- traitlet rules -------------------------------------------------------------------
@@ -80,7 +83,40 @@ class Panel(w.VBox):
             self.status = f"error: {e}"
             return None
         self.status = f"session replicator: {repl!r}"
+        self.refresh_pool()  # (choosing another shape ended the old pool)
         return repl
+
+    # ----- warm worker pools ----------------------------------------------------------------
+    def refresh_pool(self) -> None:
+        """Shows this kernel's warm worker pools (launch/pool.py): backend, workers, state, and
+        since when idle (a clock time: it stays true between refreshes); Shut down ends them."""
+        from workbench._src.launch import pool as pools
+
+        lines = []
+        for pool in pools.live_pools():
+            d = pool.describe()
+            text = (
+                f"{d['backend']} pool: {d['workers']} workers, {d['processes']} processes, {d['runs']} run(s)"
+            )
+            if d["state"] == "idle" and pool.idle_since:
+                since = time.strftime("%H:%M:%S", time.localtime(pool.idle_since))
+                text += f", warm, idle since {since} ({d['idle_seconds'] / 60:.0f} min)"
+                if d["idle_timeout"]:
+                    text += f"; ends after {d['idle_timeout'] / 60:.0f} min idle"
+            else:
+                text += f", {d['state']}"
+            lines.append(text)
+        self.pool_text = "\n".join(lines)
+        self._pool.value = "<br>".join(html.escape(line) for line in lines)
+        self._pool_row.layout.display = "flex" if lines else "none"
+
+    def shut_down_pools(self) -> None:
+        """What the Shut down button does: ends every idle warm pool (a busy one after its run)."""
+        from workbench._src.launch import pool as pools
+
+        count = pools.shutdown(reason="Shut down in the panel")
+        self.status = f"shut down {count} warm worker pool(s)"
+        self.refresh_pool()
 
     # ----- Run and Stop ---------------------------------------------------------------------
     def start(self):
@@ -133,6 +169,7 @@ class Panel(w.VBox):
                 f" ({reason})" if reason else ""
             )
             self._run_button.disabled, self._stop_button.disabled = False, True
+            self.refresh_pool()
 
     def close(self):
         self._unobserve_session()
@@ -200,6 +237,12 @@ class Panel(w.VBox):
         self._run_button.on_click(lambda _: self.start())
         self._stop_button.on_click(lambda _: self.stop())
         self._status = w.HTML()
+        self._pool = w.HTML()
+        self._pool_button = w.Button(
+            description="Shut down", icon="power-off", tooltip="end the warm worker processes now"
+        )
+        self._pool_button.on_click(lambda _: self.shut_down_pools())
+        self._pool_row = w.HBox([self._pool, self._pool_button])
         self._magic = w.HTML()
         self._live = w.VBox()
         self.observe(lambda c: setattr(self._status, "value", _status_html(c["new"])), "status")
@@ -211,6 +254,7 @@ class Panel(w.VBox):
             w.HBox([self._replicas, self._workers, self._ps, self._steps]),
             w.HBox([self._run_button, self._stop_button]),
             self._status,
+            self._pool_row,
             self._magic,
             self._live,
         ]

@@ -239,7 +239,12 @@ def train(
 
 def _set(repl, choice: dict | None) -> None:
     global _current, _choice
-    _current, _choice = repl, choice
+    old, _current, _choice = _current, repl, choice
+    if old is not None and old is not repl and getattr(old, "runs_in_processes", False):
+        # The replaced replicator's warm worker pool would hold memory for nothing; one of the
+        # same shape is the new replicator's too (launch/pool.py), so that one stays.
+        if getattr(repl, "pool_shape", None) != old.pool_shape:
+            old.shutdown()
     for callback in list(_observers):
         try:
             callback(repl, choice)

@@ -1,0 +1,178 @@
+"""Warm worker pools (issue 21): the processes of a process backend stay up between runs of the
+same shape, and end with a shape change, a death, shutdown(), the idle timeout or the kernel.
+
+Real processes, no mocks. Every check looks only at the processes the test started (run.processes,
+this test's descendants), never at the whole machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import cloudpickle
+import psutil
+import pytest
+from helpers import process_pid, regression_setup, wait_for
+
+import workbench as wb
+from workbench._src.launch import pool as pools
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def pids(run) -> list[int]:
+    return [p["pid"] for p in run.processes]
+
+
+def messages(run) -> list[str]:
+    return [e.data.get("text", "") for e in run.events if e.kind == "message"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_rerun_reuses_the_processes_and_says_so():
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    first = repl.train(setup=regression_setup, steps=20)
+    second = repl.train(setup=regression_setup, steps=20)
+    assert first.status == second.status == "finished"
+    assert pids(second) == pids(first) and len(pids(first)) == 2
+    assert set(first.startup) >= {"spawn", "imports", "cluster join", "shipping", "build", "first trace"}
+    assert first.summary()["startup"] == first.startup
+    assert "handoff" in second.startup and any("warm pool (run 2)" in t for t in messages(second))
+    # A new replicator of the same shape (e.g. %replicate chose it again) finds the same pool.
+    third = wb.MultiWorkerReplicator(num_workers=2).run_on_workers(lambda r: os.getpid())
+    assert sorted(third) == sorted(pids(first))
+    repl.shutdown()
+    wait_for(lambda: not any(alive(p) for p in pids(first)), 15, "the pool's processes to end")
+    assert pools.live_pools() == []
+
+
+def test_a_shape_change_starts_new_processes():
+    two = wb.MultiWorkerReplicator(num_workers=2).train(setup=regression_setup, steps=10)
+    one = wb.MultiWorkerReplicator(num_workers=1).train(setup=regression_setup, steps=10)
+    assert one.status == "finished" and not set(pids(one)) & set(pids(two))
+    assert any("retired the warm multi-worker pool" in t and "another shape" in t for t in messages(one))
+    wait_for(lambda: not any(alive(p) for p in pids(two)), 15, "the old pool's processes to end")
+
+
+def test_the_idle_timeout_ends_the_pool():
+    run = wb.MultiWorkerReplicator(num_workers=1, idle_timeout=2).train(setup=regression_setup, steps=10)
+    assert all(alive(p) for p in pids(run))
+    wait_for(lambda: not any(alive(p) for p in pids(run)), 20, "the idle pool to end")
+    assert pools.live_pools() == []
+    # The timer is a daemon thread: nothing of ours holds the interpreter at exit.
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("workbench"))
+
+
+def test_a_worker_killed_between_runs_is_noticed_and_the_next_run_starts_fresh():
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    first = repl.train(setup=regression_setup, steps=10)
+    os.kill(process_pid(first, "worker", 1), signal.SIGKILL)
+    wait_for(lambda: not alive(process_pid(first, "worker", 1)), 10, "worker 1 to die")
+    second = repl.train(setup=regression_setup, steps=10)
+    assert second.status == "finished" and not set(pids(second)) & set(pids(first))
+    notes = [t for t in messages(second) if "lost worker 1" in t]
+    assert len(notes) == 1 and "killed by SIGKILL" in notes[0] and "fresh" in notes[0], messages(second)
+
+
+def test_a_failed_run_retires_the_pool_and_the_next_run_says_so():
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    first = repl.train(setup=regression_setup, steps=10)
+
+    def broken(repl):
+        raise ValueError("a mistake in the cell")
+
+    with pytest.raises(Exception, match="a mistake in the cell"):
+        repl.train(setup=broken, steps=10)
+    third = repl.train(setup=regression_setup, steps=10)
+    assert third.status == "finished" and not set(pids(third)) & set(pids(first))
+    assert any("the last one was retired (the last run failed" in t for t in messages(third))
+
+
+def ps_rss(repl) -> int:
+    return psutil.Process(process_pid_of(repl, "ps", 0)).memory_info().rss
+
+
+def process_pid_of(repl, role, index) -> int:
+    return next(p["pid"] for p in repl.processes if p["role"] == role and p["index"] == index)
+
+
+def test_parameter_server_memory_stays_flat_over_20_runs():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    rss = {}
+    first_pids = None
+    for n in range(1, 21):
+        run = repl.train(setup=regression_setup, steps=20)
+        assert run.status == "finished", run.stop_reason
+        first_pids = first_pids or pids(run)
+        assert pids(run) == first_pids  # one pool: coordinator, parameter server, workers
+        rss[n] = ps_rss(repl)
+    growth = rss[20] / rss[2] - 1
+    print(f"parameter server RSS: after 2 runs {rss[2] / 2**20:.1f} MiB, after 20 {rss[20] / 2**20:.1f} MiB")
+    assert abs(growth) <= 0.10, rss
+
+
+KERNEL_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import time
+    import cloudpickle
+    sys.path.insert(0, {tests!r})
+    import helpers
+    cloudpickle.register_pickle_by_value(helpers)
+    import workbench as wb
+    a = wb.MultiWorkerReplicator(num_workers=2).train(setup=helpers.regression_setup, steps=5)
+    b = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
+    b.train(setup=helpers.regression_setup, steps=5)  # (a shape change: a's pool ends)
+    print(" ".join(str(p["pid"]) for p in b.processes), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_kernel_holding_an_idle_pool_leaves_nothing(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(KERNEL_SCRIPT.format(tests=os.path.dirname(__file__)))
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(private_tmp)}
+    with open(tmp_path / "kernel.log", "w") as log:
+        kernel = subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=log, text=True, env=env
+        )
+    try:
+        line = kernel.stdout.readline()
+        found = [int(p) for p in line.split()]
+        assert len(found) == 3 and all(alive(p) for p in found), (tmp_path / "kernel.log").read_text()[-3000:]
+        kernel.kill()  # SIGKILL: no atexit; the idle processes notice by themselves
+        kernel.wait()
+        wait_for(lambda: not any(alive(p) for p in found), 20, "the idle pool's processes to end")
+        wait_for(lambda: not list(private_tmp.iterdir()), 15, "the temp folder to be empty")
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+
+
+def test_the_panel_shows_a_warm_pool_and_its_button_ends_it():
+    from workbench._src.notebook.panel import Panel
+
+    run = wb.MultiWorkerReplicator(num_workers=1).train(setup=regression_setup, steps=5)
+    panel = Panel(namespace={})
+    try:
+        assert "multi-worker pool: 1 workers" in panel.pool_text and "idle since" in panel.pool_text
+        panel._pool_button.click()
+        assert panel.pool_text == "" and "shut down 1 warm worker pool" in panel.status
+        wait_for(lambda: not any(alive(p) for p in pids(run)), 15, "the pool's processes to end")
+    finally:
+        panel.close()

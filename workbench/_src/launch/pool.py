@@ -1,0 +1,254 @@
+"""Warm pools: the processes of a process backend stay up between runs of the same shape.
+
+A run on worker processes used to pay 10-40 s of start-up every time (spawn, import TensorFlow,
+start the servers, form the cluster). A Pool is those processes, kept after a run that ended
+cleanly: the next run of the same shape (backend and the plan fields that define the processes,
+`LaunchPlan.shape()`) sends its work to them and starts in about a second; each process frees
+what the previous run left (backends/remote.py `ProcessBackend.release_run_state`).
+
+The rules, all here:
+  - one *idle* pool per interpreter: a run of another shape retires it (the machine's memory
+    is the limit, and a notebook trains one thing at a time); busy pools are never touched;
+  - a run that failed, timed out or lost a process retires its pool (the cluster is in doubt:
+    a worker that saw a collective fail cannot run collectives again); so does a pool found
+    with a dead member when the next run takes it; the next run says so in one line;
+  - a pool ends with `shutdown()` (repl.shutdown(), the panel's button, the session's
+    replicator replaced), after `idle_timeout` seconds unused (a daemon timer: it never holds
+    the interpreter), at interpreter exit (atexit), and when this process is killed (each
+    member exits on EOF of its stdin pipe, see channel.exit_when_parent_dies).
+
+Where the processes run is `ProcessGroup` (local processes in a private network namespace);
+everything above it (shipping, relaying events, faults, the Run) only sees a Pool's `tasks`,
+`channel`, `send_work`, `processes` and `alive`. A Ray placement is another way to make those.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import threading
+import time
+
+from workbench._src.launch.channel import Channel
+from workbench._src.launch.processes import ProcessGroup
+
+WORKER_MODULE = "workbench._src.launch.worker_main"
+
+_lock = threading.Lock()
+_pools: list[Pool] = []  # live pools, busy or idle
+_retired_because: dict = {}  # shape -> why its last pool was retired (said by the next run)
+
+
+class Pool:
+    """The processes of one launch plan, started once and reused while they stay healthy."""
+
+    def __init__(self, backend: str, plan, keep: bool = True):
+        self.backend = backend
+        self.shape = plan.shape()
+        self.keep = keep  # False: the old path, one pool per run (pool=False)
+        self.idle_timeout = plan.idle_timeout
+        self.tasks = plan.tasks()  # fixed for the pool's life: ports, TF_CONFIG
+        self.group = ProcessGroup(backend)
+        self.channel = Channel(self.group)
+        self.extra: list[dict] = []  # processes a member started itself (async-ps servers)
+        self.runs = 0  # runs started on this pool
+        self.state = "busy"  # busy | idle | retired
+        self.idle_since: float | None = None
+        self.started_at = time.time()
+        self._timer: threading.Timer | None = None
+
+    # ----- what the launcher uses -------------------------------------------------------------
+    @property
+    def fresh(self) -> bool:
+        return self.runs == 0
+
+    def start(self) -> None:
+        """Starts every process at once (none waits for another; each connects back on its own)."""
+        for task in self.tasks:
+            self.group.start(task.role, task.index, WORKER_MODULE, {**self.channel.env(), **task.env})
+
+    def send_work(self, payload: bytes, number: int) -> None:
+        """Hands the next run's work to every (already connected) process of a warm pool."""
+        for child in self.group.children:
+            child.expected_exit = False  # it was set by the last run's results
+        for task in self.tasks:
+            self.channel.send(task.name, {"type": "work", "payload": payload, "run": number})
+
+    @property
+    def processes(self) -> list[dict]:
+        """Role, index and pid of every process of the pool (a coordinator's servers included)."""
+        own = [{"role": c.role, "index": c.index, "pid": c.pid} for c in self.group.children]
+        return own + list(self.extra)
+
+    def dead_member(self) -> str:
+        """'' when every process of the pool is alive, else which one is not and how it ended."""
+        for child in self.group.children:
+            if child.popen.poll() is not None:
+                return f"{child.role} {child.index} (pid {child.pid}) {child.exit_description()}"
+        for p in self.extra:
+            if not _pid_alive(p["pid"]):
+                return f"{p['role']} {p['index']} (pid {p['pid']}) exited"
+        return ""
+
+    def drain(self) -> str:
+        """Reads what the processes said while idle (heartbeats); returns a problem, if any."""
+        problem = ""
+        while True:
+            try:
+                task, message = self.channel.messages.get_nowait()
+            except queue.Empty:
+                return self.dead_member() or problem  # (how it ended says more than a closed socket)
+            if message.get("type") in ("disconnected", "error"):
+                problem = problem or f"{task.replace(':', ' ')} disconnected"
+
+    # ----- ending ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Asks every process to exit, then stops whatever is left; removes every file."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self.channel.broadcast({"type": "shutdown"})
+        deadline = time.monotonic() + 2.0  # a clean exit removes its own temp folder and servers
+        while self.group.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for child in self.group.children:
+            child.expected_exit = True
+        self.group.stop(grace=1.0)  # MWMS ignores SIGTERM: the SIGKILL after the grace does it
+        self.channel.close()
+
+    def describe(self) -> dict:
+        """For the panel: backend, shape, processes, state and idle seconds."""
+        idle = time.time() - self.idle_since if self.state == "idle" and self.idle_since else 0.0
+        workers = len([t for t in self.tasks if t.role == "worker"])
+        servers = [p for p in self.extra if p["role"] == "worker"]
+        return {
+            "backend": self.backend,
+            "workers": len(servers) or workers,
+            "processes": len(self.processes),
+            "state": self.state,
+            "runs": self.runs,
+            "idle_seconds": idle,
+            "idle_timeout": self.idle_timeout,
+        }
+
+
+# ----- the registry ------------------------------------------------------------------------------
+def checkout(backend: str, plan) -> tuple[Pool, list[str]]:
+    """A pool for one run of `plan`: the idle one of the same shape when it is healthy, else a
+    new one (not yet started). Returns it, marked busy, and the lines to say in the run."""
+    notes: list[str] = []
+    retire: list[tuple[Pool, str]] = []
+    keep = bool(getattr(plan, "pool", True))
+    shape = plan.shape()
+    with _lock:
+        for pool in [p for p in _pools if p.state == "idle"]:
+            if pool.shape != shape or not keep:
+                retire.append((pool, "a run of another shape"))
+                notes.append(
+                    f"retired the warm {pool.backend} pool ({_shape_text(pool)}): this run has another shape"
+                )
+                continue
+            problem = pool.drain()
+            if problem:
+                retire.append((pool, problem))
+                notes.append(f"the warm {pool.backend} pool lost {problem} while idle: starting a fresh one")
+                continue
+            pool.state, pool.idle_since = "busy", None
+            if pool._timer is not None:
+                pool._timer.cancel()
+            taken = pool
+            break
+        else:
+            taken = None
+            reason = _retired_because.pop(shape, None)
+            if reason and keep:
+                notes.append(f"starting a fresh {backend} pool: the last one was retired ({reason})")
+    _retire_all(retire)  # (outside the lock: stopping processes takes a moment)
+    if taken is None:
+        taken = Pool(backend, plan, keep=keep)  # (outside too: it opens a network namespace)
+        with _lock:
+            _pools.append(taken)
+    return taken, notes
+
+
+def checkin(pool: Pool, healthy: bool, reason: str = "") -> None:
+    """After a run: a healthy pool that keeps goes idle (its timer starts); any other retires."""
+    with _lock:
+        if pool.state == "retired":
+            return
+        if not (healthy and pool.keep) or pool.state == "retiring":
+            pool.state = "retired"
+            if pool in _pools:
+                _pools.remove(pool)
+            if pool.keep and reason:
+                _retired_because[pool.shape] = reason
+        else:
+            pool.state, pool.idle_since = "idle", time.time()
+            if pool.idle_timeout:
+                pool._timer = threading.Timer(pool.idle_timeout, _idle_expired, args=(pool, pool.idle_since))
+                pool._timer.daemon = True  # never holds the interpreter at exit
+                pool._timer.name = "workbench pool idle timer"
+                pool._timer.start()
+            return
+    pool.stop()
+
+
+def shutdown(shape=None, reason: str = "shut down") -> int:
+    """Ends the idle pools (of `shape`, or all); a busy one ends when its run does. Returns how
+    many pools were stopped or marked."""
+    with _lock:
+        chosen = [p for p in _pools if shape is None or p.shape == shape]
+        retire = []
+        for pool in chosen:
+            if pool.state == "idle":
+                retire.append((pool, reason))
+            else:
+                pool.state = "retiring"  # checkin retires it after its run
+    _retire_all(retire, remember=False)
+    return len(chosen)
+
+
+def live_pools() -> list[Pool]:
+    with _lock:
+        return list(_pools)
+
+
+def _retire_all(retire: list[tuple[Pool, str]], remember: bool = True) -> None:
+    with _lock:
+        for pool, reason in retire:
+            pool.state = "retired"
+            if pool in _pools:
+                _pools.remove(pool)
+            if remember:
+                _retired_because[pool.shape] = reason
+    for pool, _ in retire:
+        pool.stop()
+
+
+def _idle_expired(pool: Pool, since: float) -> None:
+    with _lock:
+        if pool.state != "idle" or pool.idle_since != since:
+            return  # taken by a run meanwhile
+    _retire_all([(pool, f"idle for {pool.idle_timeout:.0f} s")])
+
+
+def _shape_text(pool: Pool) -> str:
+    return ", ".join(f"{k}={v}" for k, v in pool.shape[1:] if v is not None)
+
+
+def _pid_alive(pid: int) -> bool:
+    """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    # Registered after processes.py's own atexit (imported above), so it runs first: the
+    # processes exit on a message, cleanly, and the channel's folder goes too.
+    for pool in live_pools():
+        with contextlib.suppress(Exception):
+            pool.stop()
