@@ -4,6 +4,9 @@
   `python -m pytest notebooks/01_quickstart.ipynb` works from any directory.
 - While a notebook runs, its kernel records runs in a temporary folder (WORKBENCH_RUNS_DIR), not
   in notebooks/runs/, so testing leaves nothing behind in the repository.
+- Its kernel also gets a temporary TMPDIR, removed at the end: nbval ends kernels without a
+  normal interpreter exit, which skips TensorFlow's clean-up of its AutoGraph files (30-odd
+  `__autograph_generated_file*.py` per notebook were left in the temp folder).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 _runs_dir: str | None = None
+_tmp_dir: str | None = None
 _saved_env: dict[str, str | None] = {}
 
 
@@ -32,13 +36,15 @@ def _is_notebook_cell(item) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     # The kernel starts while the first cell is set up and inherits this environment.
-    global _runs_dir
+    global _runs_dir, _tmp_dir
     if not _is_notebook_cell(item) or "WORKBENCH_RUNS_DIR" in _saved_env:
         return
     if _runs_dir is None:
         _runs_dir = tempfile.mkdtemp(prefix="workbench-notebook-runs-")
-    _saved_env["WORKBENCH_RUNS_DIR"] = os.environ.get("WORKBENCH_RUNS_DIR")
-    os.environ["WORKBENCH_RUNS_DIR"] = _runs_dir
+        _tmp_dir = tempfile.mkdtemp(prefix="workbench-notebook-tmp-")
+    for name, value in (("WORKBENCH_RUNS_DIR", _runs_dir), ("TMPDIR", _tmp_dir)):
+        _saved_env[name] = os.environ.get(name)
+        os.environ[name] = value
 
 
 @pytest.hookimpl(trylast=True)
@@ -47,16 +53,18 @@ def pytest_runtest_teardown(item, nextitem):
         return
     if nextitem is not None and _is_notebook_cell(nextitem):
         return
-    previous = _saved_env.pop("WORKBENCH_RUNS_DIR")
-    if previous is None:
-        os.environ.pop("WORKBENCH_RUNS_DIR", None)
-    else:
-        os.environ["WORKBENCH_RUNS_DIR"] = previous
+    for name in ("WORKBENCH_RUNS_DIR", "TMPDIR"):
+        previous = _saved_env.pop(name)
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _runs_dir is not None:
-        shutil.rmtree(_runs_dir, ignore_errors=True)
+    for folder in (_runs_dir, _tmp_dir):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m "not slow"` deselects
