@@ -13,7 +13,6 @@ import time
 import cloudpickle
 import numpy as np
 import psutil
-import tensorflow as tf
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -59,6 +58,8 @@ def make_model():
 
 
 def regression_input_fn(ctx):
+    import tensorflow as tf  # here: the network probes import this module and must stay quiet
+
     return tf.data.Dataset.from_tensor_slices((X, Y)).repeat().batch(GLOBAL_BATCH)
 
 
@@ -70,6 +71,8 @@ def regression_model_and_step(repl, lr=0.05):
     opt = repl.wrap_optimizer(keras.optimizers.SGD(lr))
 
     def step_fn(x, y):
+        import tensorflow as tf
+
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x) - y) ** 2)
         opt.minimize(loss, model.trainable_variables, tape=tape)
@@ -98,7 +101,6 @@ def process_pid(run, role: str, index: int) -> int:
 PROCESS_CELL = """
 import keras
 import numpy as np
-import tensorflow as tf
 
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
 optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
@@ -149,10 +151,14 @@ def free_port() -> int:
 
 
 def nan_after_fifty_setup(repl):
+    import tensorflow as tf
+
     with repl.context():
         w = tf.Variable(0.0)
 
     def step_fn(x, y):
+        import tensorflow as tf
+
         w.assign_add(1.0)
         return {"loss": tf.math.log(50.5 - w)}  # NaN once 50 steps have run, on any worker
 

@@ -285,9 +285,10 @@ def test_run_ids_are_unique_across_processes_and_sort_by_time():
 
 def test_started_event_carries_the_run_name():
     repl = wb.replicator("single")
-    run = repl.train(lambda b: {"m": tf.reduce_mean(b)}, counting_input, steps=2, name="baseline")
+    name = f"baseline {time.time_ns()}"  # names are unique in the store, which outlives the suite
+    run = repl.train(lambda b: {"m": tf.reduce_mean(b)}, counting_input, steps=2, name=name)
     started = [e for e in run.events if e.kind == "started"][0]
-    assert started.data["name"] == "baseline" and started.data["config"]["steps"] == 2
+    assert started.data["name"] == name and started.data["config"]["steps"] == 2
     assert started.data["first_step"] == 1 and started.run_id == run.id
 
 
