@@ -84,7 +84,9 @@ class Pool:
     def dead_member(self) -> str:
         """'' when every process of the pool is alive, else which one is not and how it ended."""
         for child in self.group.children:
-            if child.popen.poll() is not None:
+            # (poll() alone is not enough: a child reaped elsewhere, e.g. by a subreaper's
+            # waitpid(-1), reads None for ever; /proc says it is gone)
+            if child.popen.poll() is not None or not _pid_alive(child.pid):
                 return f"{child.role} {child.index} (pid {child.pid}) {child.exit_description()}"
         for p in self.extra:
             if not _pid_alive(p["pid"]):
