@@ -58,6 +58,8 @@ def wait_for_peers(resolver, timeout: float, poll: float = POLL_SECONDS) -> floa
     A peer seen once counts as started (it may be inside its own constructor, between releasing
     its placeholder and TensorFlow binding the port).
     """
+    # here: this module is also the backstop process (`python -m ...join_watchdog`), which starts
+    # with nothing of the workbench imported
     from workbench._src.core.errors import WorkerError
 
     start = time.monotonic()

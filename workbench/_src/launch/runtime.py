@@ -34,6 +34,7 @@ def process_replicator():
     """This launched process's replicator (the in-process face of the launcher's backend)."""
     global _replicator
     if _replicator is None:
+        # here: every backend module imports this one; only a launched process needs the registry
         from workbench._src.backends import backend_class
         from workbench._src.core.errors import ConfigurationError
 

@@ -14,6 +14,8 @@ import signal
 
 
 def main() -> None:
+    # Imports inside main(): a server process must watch its parent (and die with it) before it
+    # spends seconds importing; TensorFlow comes after the task is known.
     from workbench._src.launch.channel import exit_when_parent_dies
     from workbench._src.launch.processes import TASK_ENV
 
@@ -39,7 +41,7 @@ def main() -> None:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    from workbench._src.launch.processes import remove_own_tmp_dir
+    from workbench._src.launch.processes import remove_own_tmp_dir  # (a signal handler: already imported)
 
     remove_own_tmp_dir()
     # Then die of the signal itself, so the parent still reads "killed by SIGTERM".

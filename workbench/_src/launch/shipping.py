@@ -20,8 +20,11 @@ import pickle
 import time
 import traceback
 
+from workbench._src.core import errors
 from workbench._src.core.cells import CELL_FILENAME, execute_source, functions_defined
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.replicator import Replicator
+from workbench._src.core.tf_setup import tf
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
@@ -35,7 +38,7 @@ class TrainWork:
         self.replicator_options: dict = {}
 
     def __call__(self, repl, link):
-        from workbench._src.notebook import session
+        from workbench._src.notebook import session  # here: only a launched process needs the session
 
         session._set(repl, None)  # wb.current() in the cell or script is this process's replicator
         for name, value in self.replicator_options.items():
@@ -109,7 +112,6 @@ class OneStep:
         self.step_fn, self.input_fn = step_fn, input_fn
 
     def __call__(self, repl):
-        from workbench._src.core.tf_setup import tf
 
         outputs = repl.run(self.step_fn, self.input_fn)
         return tf().nest.map_structure(lambda v: v.numpy(), outputs)
@@ -157,7 +159,6 @@ def _is_tensorflow_state(obj) -> bool:
 
 
 def _is_harmless_tf_value(obj) -> bool:
-    from workbench._src.core.tf_setup import tf
 
     t = tf()
     return isinstance(obj, (t.DType, t.TensorShape, t.TensorSpec))
@@ -197,7 +198,6 @@ def dumps_for_workers(obj) -> bytes:
 
 def picklable_namespace(namespace: dict) -> tuple[dict, list[str]]:
     """The notebook names a worker can receive (functions, classes, modules, data); and the rest."""
-    from workbench._src.core.replicator import Replicator
 
     pickler_class = _stateless_pickler_class()
     kept, skipped = {}, []
@@ -215,7 +215,6 @@ def picklable_namespace(namespace: dict) -> tuple[dict, list[str]]:
 
 def format_exception(error: BaseException) -> dict:
     """An error message for the channel; a workbench error keeps its class and message."""
-    from workbench._src.core import errors
 
     kind = type(error).__name__
     return {

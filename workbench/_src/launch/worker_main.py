@@ -26,6 +26,8 @@ import time
 
 def main() -> None:
     entered = time.time()
+    # Imports inside main(), in start-up order: watch the parent and say hello first (the
+    # launcher's heartbeat clock starts), then the backend, then TensorFlow (_configure_tensorflow).
     from workbench._src.launch.channel import ParentLink, exit_when_parent_dies
 
     exit_when_parent_dies()
