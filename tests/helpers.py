@@ -101,6 +101,7 @@ def process_pid(run, role: str, index: int) -> int:
 PROCESS_CELL = """
 import keras
 import numpy as np
+import tensorflow as tf
 
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
 optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.05))

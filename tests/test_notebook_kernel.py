@@ -3,6 +3,7 @@ dashboard from a background thread, the panel, and a Jupyter interrupt during tr
 
 import base64
 import queue
+import re
 import time
 
 import nbformat
@@ -49,7 +50,7 @@ def test_cell_form_line_form_background_and_panel_in_a_kernel(tmp_path, monkeypa
         "%%replicate --steps 120\n" + TOY_CELL,
         "run = _\nassert run.status == 'finished' and run.steps == 120, run\n"
         "assert isinstance(w, tf.distribute.DistributedValues)  # built in repl.context()",
-        "run2 = %replicate step_fn input_fn --steps 30\nassert run2.history['step'].tolist() == list(range(121, 151))",
+        "run2 = %replicate step_fn input_fn --steps 30\nassert run2.history['step'].tolist() == list(range(1, 31))\nassert run2.history['global_step'].tolist() == list(range(121, 151))",
         "bg = %replicate step_fn input_fn --steps 10000000 --background",
         "import time\nt0 = time.time()\nwhile bg.steps < 200 and time.time() - t0 < 60: time.sleep(0.1)\n"
         "time.sleep(1.5)  # the dashboard redraws from its own thread meanwhile\nbg.stop().wait(30)\nprint(bg.status)",
@@ -64,7 +65,11 @@ def test_cell_form_line_form_background_and_panel_in_a_kernel(tmp_path, monkeypa
     # The cell form: the live dashboard became a static PNG in place, then the Run.
     (figure,) = outputs(cells[2], "display_data")
     assert base64.b64decode(figure.data["image/png"]).startswith(b"\x89PNG")
-    assert "run 1 \u00b7 mirrored x 2 \u00b7 finished \u00b7 step 120/120" in figure.data["text/plain"]
+    # the run's name (its store-unique default: backend, replicas, time), then what ran and how far
+    assert re.match(
+        r"mirrored x2 \u00b7 \d\d:\d\d \u00b7 mirrored x 2 \u00b7 finished \u00b7 step 120/120",
+        figure.data["text/plain"],
+    )
     (result,) = outputs(cells[2], "execute_result")
     assert "wb.Run" in result.data["text/html"] and "finished" in result.data["text/html"]
     assert outputs(cells[4], "display_data")[0].data["image/png"]
