@@ -16,6 +16,8 @@ RUN_EXAMPLES = """examples:
   workbench run examples/train.py --backend async-ps --workers 2 --ps 1 --steps 500
   # on a real cluster, every host runs the same line with its own TF_CONFIG (or under srun):
   workbench run examples/train.py --backend multi-worker --cluster TF_CONFIG --steps 500
+  # async-ps: the chief runs the file, the ps and worker tasks serve until the chief has gone:
+  workbench run examples/train.py --backend async-ps --cluster TF_CONFIG --steps 500
 
 FILE.py is run inside the replicator's context (as a %%replicate cell is): it builds its model
 and optimizer and defines input_fn(ctx) and step_fn(batch); `repl` (or wb.current()) is the
