@@ -291,10 +291,23 @@ def _step(run_row) -> int:
 
 
 def _run_cell(page, index: int) -> None:
-    """Selects cell `index` (command mode) and runs it with Shift+Enter, as a person does."""
+    """Selects cell `index` (command mode) and runs it with Shift+Enter, as a person does; makes
+    sure it started ([*] or its count in the prompt). A page still settling (just opened, a side
+    panel just toggled) can swallow the first key press: then it is pressed again, as a person
+    would, at most three times."""
+    from playwright.sync_api import expect
+
     cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell").nth(index)
-    cell.locator(".jp-InputPrompt").click()
-    page.keyboard.press("Shift+Enter")
+    prompt = cell.locator(".jp-InputPrompt").first
+    for _ in range(3):
+        prompt.click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            expect(prompt).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=10_000)
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"cell {index} did not start after three Shift+Enter presses")
 
 
 SCALING_CELL = """%%replicate --scaling 1,2 --batch-size 16 --steps 40 --warmup 6 --no-live
