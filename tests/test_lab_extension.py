@@ -303,11 +303,19 @@ def _run_cell(page, index: int) -> None:
         prompt.click()
         page.keyboard.press("Shift+Enter")
         try:
-            expect(prompt).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=10_000)
+            expect(prompt).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=30_000)
             return
         except AssertionError:
             continue
     raise AssertionError(f"cell {index} did not start after three Shift+Enter presses")
+
+
+def _wait_for_idle_kernel(page) -> None:
+    """The opened notebook's kernel has started and is idle (the status bar says so): key presses
+    sent before that can be lost."""
+    from playwright.sync_api import expect
+
+    expect(page.get_by_text(re.compile(r"\(ipykernel\) \| Idle")).first).to_be_visible()
 
 
 SCALING_CELL = """%%replicate --scaling 1,2 --batch-size 16 --steps 40 --warmup 6 --no-live
@@ -672,6 +680,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                 sidebar = page.locator(".wb-sidebar")
                 page.locator("li[data-id='replicator-workbench-sidebar']").click()
                 expect(sidebar).to_be_visible()
+                _wait_for_idle_kernel(page)
                 _run_cell(page, 0)
                 expect(sidebar).to_have_attribute("data-state", "ready")
                 _run_cell(page, 1)
@@ -682,6 +691,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                 expect(page.locator(visible)).to_have_count(2)
                 if not sidebar.is_visible():
                     page.locator("li[data-id='replicator-workbench-sidebar']").click()
+                _wait_for_idle_kernel(page)
                 _run_cell(page, 0)
                 expect(sidebar).to_have_attribute("data-state", "ready")
                 _run_cell(page, 1)
