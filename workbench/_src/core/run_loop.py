@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable
 from typing import Protocol
 
-from workbench._src.core.checkpoints import checkpoint_hint, with_checkpoint_hint  # noqa: F401 - the launcher's too
+from workbench._src.core.checkpoints import with_checkpoint_hint
 from workbench._src.core.errors import InputError, NonFiniteError
 from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
 from workbench._src.core.run import Run

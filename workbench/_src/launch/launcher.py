@@ -17,8 +17,9 @@ import queue
 import time
 
 from workbench._src.core import errors as workbench_errors
+from workbench._src.core.checkpoints import checkpoint_hint
 from workbench._src.core.errors import WorkerError
-from workbench._src.core.run_loop import checkpoint_hint, drive, new_run
+from workbench._src.core.run_loop import drive, new_run
 from workbench._src.core.run_options import options_from
 from workbench._src.launch import pool as pools
 from workbench._src.launch import shipping
