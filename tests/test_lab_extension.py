@@ -10,6 +10,7 @@ Screenshots go to build/lab-extension/. Every process it starts is ended in `fin
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import json
 import os
@@ -318,6 +319,39 @@ def _wait_for_idle_kernel(page) -> None:
     expect(page.get_by_text(re.compile(r"\(ipykernel\) \| Idle")).first).to_be_visible()
 
 
+@contextlib.contextmanager
+def _explained(page, root: Path, name: str):
+    """On a failed step, says what the page showed: a screenshot (build/lab-extension/NAME-failure.png),
+    the visible notebook's prompts and outputs, the sidebar's text, the status bar and the end of
+    JupyterLab's log. A CI failure is then read, not guessed."""
+    try:
+        yield
+    except Exception as failure:
+        lines = [f"{type(failure).__name__}: {failure}", "", "--- what the page showed ---"]
+        try:
+            page.screenshot(path=str(SCREENSHOTS / f"{name}-failure.png"))
+            cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
+            for i in range(cells.count()):
+                cell = cells.nth(i)
+                prompt = cell.locator(".jp-InputPrompt").first.inner_text(timeout=2000)
+                outputs = cell.locator(".jp-OutputArea-output")
+                text = " | ".join(
+                    outputs.nth(j).inner_text(timeout=2000)[-300:] for j in range(outputs.count())
+                )
+                lines.append(f"cell {i} {prompt.strip()} outputs: {text!r}")
+            lines.append(f"sidebar: {page.locator('.wb-sidebar').inner_text(timeout=2000)[-800:]!r}")
+            lines.append(
+                f"sidebar state: {page.locator('.wb-sidebar').get_attribute('data-state', timeout=2000)}"
+            )
+            lines.append(f"status bar: {page.locator('.jp-StatusBar-Widget').inner_text(timeout=2000)!r}")
+        except Exception as also:  # noqa: BLE001 - the page itself may be gone
+            lines.append(f"(the page could not be read: {also})")
+        log = root / "jupyterlab.log"
+        if log.is_file():
+            lines += ["--- end of jupyterlab.log ---", *log.read_text(errors="replace").splitlines()[-40:]]
+        raise AssertionError("\n".join(lines)) from failure
+
+
 SCALING_CELL = """%%replicate --scaling 1,2 --batch-size 16 --steps 40 --warmup 6 --no-live
 import tensorflow as tf, keras
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
@@ -439,153 +473,160 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
             try:
                 page = browser.new_page(viewport={"width": 1440, "height": 900})
                 page.set_default_timeout(WAIT_MS)
-                page.goto(f"{base}/lab/tree/replicate.ipynb?reset&token={token}")
-                expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(6)
-                # The kernel is up, the workbench not loaded yet: the sidebar says how to load it.
-                page.locator(".wb-toolbar-sidebar").first.click()
-                sidebar = page.locator(".wb-sidebar")
-                expect(sidebar).to_have_attribute("data-state", "absent")
-                expect(sidebar).to_contain_text("%load_ext workbench")
-                kernels = _children(server.pid)
+                with _explained(page, tmp_path, "sidebar"):
+                    page.goto(f"{base}/lab/tree/replicate.ipynb?reset&token={token}")
+                    expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(6)
+                    # The kernel is up, the workbench not loaded yet: the sidebar says how to load it.
+                    page.locator(".wb-toolbar-sidebar").first.click()
+                    sidebar = page.locator(".wb-sidebar")
+                    expect(sidebar).to_have_attribute("data-state", "absent")
+                    expect(sidebar).to_contain_text("%load_ext workbench")
+                    kernels = _children(server.pid)
 
-                # %load_ext, then the background %%replicate cell.
-                _run_cell(page, 0)
-                expect(sidebar).to_have_attribute("data-state", "ready")
-                expect(sidebar.locator(".wb-devices")).to_contain_text("8 CPU devices (virtual)")
-                _run_cell(page, 1)
-                running = sidebar.locator(".wb-run[data-status=running]")
-                expect(running).to_have_count(1)
-                expect(running.locator(".wb-run-config")).to_have_text("mirrored \u00b7 2 replicas")
-                expect(sidebar.locator(".wb-replicator")).to_have_text("mirrored \u00b7 2 replicas")
-                status = page.locator(".wb-status")
-                expect(status).to_have_text(
-                    re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 [\d,.]+ steps/s$")
-                )
-                # Live: the step count grows while the kernel is idle (the run is in a thread).
-                first = _step(running)
-                page.wait_for_timeout(1500)
-                second = _step(running)
-                assert second > first > 0, (first, second)
-                expect(running.locator(".wb-run-loss")).to_have_text(re.compile(r"^loss \d"))
-                expect(running.locator(".wb-run-throughput")).to_have_text(re.compile(r"[\d,.]+ examples/s$"))
-                expect(running.locator(".wb-run-eta")).to_have_text(re.compile(r"^ETA \d+ (h|min|s)"))
-                page.screenshot(path=str(SCREENSHOTS / "sidebar-running.png"))
-                # The live dashboard under the background cell: its Stop button is not cut short
-                # ("S..."), its figure draws (no broken-image icon before).
-                dashboard = (
-                    page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea-output .widget-vbox").first
-                )
-                stop_button = dashboard.locator(".widget-button", has_text="Stop")
-                expect(stop_button).to_be_visible()
-                assert stop_button.evaluate("b => b.scrollWidth <= b.clientWidth"), "the Stop label is cut"
-                expect(dashboard.locator("img")).to_be_visible()
-                dashboard.scroll_into_view_if_needed()
-                page.screenshot(path=str(SCREENSHOTS / "dashboard-running.png"))
-
-                # Stop (a background run: a comm message to the kernel).
-                running.locator(".wb-stop").click()
-                stopped = sidebar.locator(".wb-run[data-status=stopped]")
-                expect(stopped).to_have_count(1)
-                # No run trains: the session's replicator and the last run's steps/s.
-                expect(status).to_have_text(
-                    re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 bg: [\d,.]+ steps/s$")
-                )
-                assert _step(stopped) >= second
-                (record,) = (tmp_path / "runs").glob("*/config.json")
-                assert json.loads(record.read_text())["status"] == "stopped"  # the kernel's own record
-
-                # The stopped run's dashboard figure opens in the main area.
-                stopped.locator(".wb-figure").click()
-                image = page.locator(".wb-figure-view img")
-                expect(image).to_be_visible()
-                assert image.evaluate("img => img.naturalWidth") > 100
-                page.screenshot(path=str(SCREENSHOTS / "dashboard-figure.png"))
-                page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
-
-                # A foreground run holds the kernel: the toolbar's Stop interrupts it, cleanly.
-                _run_cell(page, 2)
-                expect(running).to_have_count(1)
-                expect(status).to_have_text(re.compile(r"[\d,.]+ steps/s$"))
-                page.locator(".wb-toolbar-stop").first.click()
-                expect(running).to_have_count(0)
-                expect(sidebar.locator(".wb-run[data-status=stopped]")).to_have_count(
-                    2
-                )  # one word for a stop
-
-                # The template command inserts a %%replicate cell with input_fn and step_fn.
-                cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
-                before = cells.count()
-                page.locator(".wb-toolbar-insert").first.click()
-                expect(cells).to_have_count(before + 1)
-                inserted = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell.jp-mod-active")
-                expect(inserted).to_contain_text("%%replicate --steps 300")  # the session has a replicator
-                expect(inserted).to_contain_text("def step_fn(x, y):")
-                page.screenshot(path=str(SCREENSHOTS / "sidebar-stopped.png"))
-
-                # The palette has the commands: open the last run's (run 2's) figure from it.
-                page.keyboard.press("Control+Shift+C")
-                page.locator(".lm-CommandPalette-input").fill("Replicator Workbench")
-                items = page.locator(".lm-CommandPalette-item")
-                expect(items.filter(has_text="Insert input_fn/step_fn Template Cell")).to_have_count(1)
-                expect(items.filter(has_text="Stop the Running Run")).to_have_count(1)
-                expect(items.filter(has_text="Open the Replicator Sidebar")).to_have_count(1)
-                items.filter(has_text="Dashboard Figure").click()
-                expect(page.locator(".lm-TabBar-tab", has_text="fg dashboard")).to_have_count(1)
-                page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
-
-                _finished_runs_agree_and_compare(page, sidebar, status, tmp_path)
-
-                # A scaling study: one group in the sidebar, one line per configuration (the
-                # warm-up runs hidden), each with its steps/s and examples/s.
-                cell = page.locator(
-                    ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell", has_text="--scaling 1,2"
-                )
-                cell.locator(".jp-InputPrompt").click()
-                page.keyboard.press("Shift+Enter")
-                study = sidebar.locator(".wb-study")
-                expect(study.locator(".wb-section-title")).to_have_text(
-                    re.compile(r"^Scaling study \u00b7 weak \u00b7 mirrored \u00b7 \d\d:\d\d:\d\d$")
-                )
-                expect(study.locator(".wb-study-line")).to_have_count(2)
-                for line in study.locator(".wb-study-line").all():
-                    expect(line.locator(".wb-run-rate")).to_have_text(re.compile(r"^[\d,.]+ steps/s$"))
-                    expect(line.locator(".wb-run-throughput")).to_have_text(
-                        re.compile(r"^[\d,.]+ examples/s$")
+                    # %load_ext, then the background %%replicate cell.
+                    _run_cell(page, 0)
+                    expect(sidebar).to_have_attribute("data-state", "ready")
+                    expect(sidebar.locator(".wb-devices")).to_contain_text("8 CPU devices (virtual)")
+                    _run_cell(page, 1)
+                    running = sidebar.locator(".wb-run[data-status=running]")
+                    expect(running).to_have_count(1)
+                    expect(running.locator(".wb-run-config")).to_have_text("mirrored \u00b7 2 replicas")
+                    expect(sidebar.locator(".wb-replicator")).to_have_text("mirrored \u00b7 2 replicas")
+                    status = page.locator(".wb-status")
+                    expect(status).to_have_text(
+                        re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 [\d,.]+ steps/s$")
                     )
-                    expect(line.locator(".wb-run-median")).to_have_text(
-                        re.compile(r"^median compiled step [\d,.]+ examples/s$")
+                    # Live: the step count grows while the kernel is idle (the run is in a thread).
+                    first = _step(running)
+                    page.wait_for_timeout(1500)
+                    second = _step(running)
+                    assert second > first > 0, (first, second)
+                    expect(running.locator(".wb-run-loss")).to_have_text(re.compile(r"^loss \d"))
+                    expect(running.locator(".wb-run-throughput")).to_have_text(
+                        re.compile(r"[\d,.]+ examples/s$")
                     )
-                warmups = sidebar.locator(".wb-run", has_text="warm-up")
-                assert warmups.count() == 0, warmups.all_inner_texts()
-                study.scroll_into_view_if_needed()
-                page.screenshot(path=str(SCREENSHOTS / "sidebar-study.png"))
+                    expect(running.locator(".wb-run-eta")).to_have_text(re.compile(r"^ETA \d+ (h|min|s)"))
+                    page.screenshot(path=str(SCREENSHOTS / "sidebar-running.png"))
+                    # The live dashboard under the background cell: its Stop button is not cut short
+                    # ("S..."), its figure draws (no broken-image icon before).
+                    dashboard = (
+                        page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea-output .widget-vbox").first
+                    )
+                    stop_button = dashboard.locator(".widget-button", has_text="Stop")
+                    expect(stop_button).to_be_visible()
+                    assert stop_button.evaluate("b => b.scrollWidth <= b.clientWidth"), (
+                        "the Stop label is cut"
+                    )
+                    expect(dashboard.locator("img")).to_be_visible()
+                    dashboard.scroll_into_view_if_needed()
+                    page.screenshot(path=str(SCREENSHOTS / "dashboard-running.png"))
 
-                # The run store table: sort by examples/s (descending first), filter, delete.
-                sidebar.locator(".wb-tab-store").click()
-                rows = sidebar.locator(".wb-stored-run")
-                expect(rows).to_have_count(6)  # 4 runs and 2 study configurations (warm-ups: unrecorded)
-                steps = rows.locator(".wb-col-steps").all_inner_texts()
-                assert all(re.fullmatch(r"[\d,]+", t) for t in steps), steps  # integers: "40", not "40.0"
-                sidebar.locator(".wb-sort-examples_per_sec").click()
-                shown = [
-                    float(t.replace(",", ""))
-                    for t in rows.locator(".wb-col-examples_per_sec").all_inner_texts()
-                    if t != "\u2013"
-                ]
-                assert shown == sorted(shown, reverse=True), shown
-                sidebar.locator(".wb-filter-backend").select_option("mirrored")
-                expect(rows).to_have_count(6)
-                picked = sidebar.locator(".wb-pick-run:checked")  # the two compared above
-                for left in (1, 0):  # a click redraws the table: click, then count again
-                    picked.first.click()
-                    expect(picked).to_have_count(left)
-                first_id = rows.first.get_attribute("data-run-id")
-                rows.first.locator(".wb-pick-run").check()
-                sidebar.locator(".wb-delete").click()
-                expect(page.locator(".jp-Dialog")).to_contain_text("Delete 1 recorded run?")
-                page.locator(".jp-Dialog button", has_text="Delete").click()
-                expect(rows).to_have_count(5)
-                assert not (tmp_path / "runs" / first_id).exists()
+                    # Stop (a background run: a comm message to the kernel).
+                    running.locator(".wb-stop").click()
+                    stopped = sidebar.locator(".wb-run[data-status=stopped]")
+                    expect(stopped).to_have_count(1)
+                    # No run trains: the session's replicator and the last run's steps/s.
+                    expect(status).to_have_text(
+                        re.compile(r"^Replicator: mirrored \u00b7 2 replicas \u00b7 bg: [\d,.]+ steps/s$")
+                    )
+                    assert _step(stopped) >= second
+                    (record,) = (tmp_path / "runs").glob("*/config.json")
+                    assert json.loads(record.read_text())["status"] == "stopped"  # the kernel's own record
+
+                    # The stopped run's dashboard figure opens in the main area.
+                    stopped.locator(".wb-figure").click()
+                    image = page.locator(".wb-figure-view img")
+                    expect(image).to_be_visible()
+                    assert image.evaluate("img => img.naturalWidth") > 100
+                    page.screenshot(path=str(SCREENSHOTS / "dashboard-figure.png"))
+                    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
+
+                    # A foreground run holds the kernel: the toolbar's Stop interrupts it, cleanly.
+                    _run_cell(page, 2)
+                    expect(running).to_have_count(1)
+                    expect(status).to_have_text(re.compile(r"[\d,.]+ steps/s$"))
+                    page.locator(".wb-toolbar-stop").first.click()
+                    expect(running).to_have_count(0)
+                    expect(sidebar.locator(".wb-run[data-status=stopped]")).to_have_count(
+                        2
+                    )  # one word for a stop
+
+                    # The template command inserts a %%replicate cell with input_fn and step_fn.
+                    cells = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell")
+                    before = cells.count()
+                    page.locator(".wb-toolbar-insert").first.click()
+                    expect(cells).to_have_count(before + 1)
+                    inserted = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell.jp-mod-active")
+                    expect(inserted).to_contain_text(
+                        "%%replicate --steps 300"
+                    )  # the session has a replicator
+                    expect(inserted).to_contain_text("def step_fn(x, y):")
+                    page.screenshot(path=str(SCREENSHOTS / "sidebar-stopped.png"))
+
+                    # The palette has the commands: open the last run's (run 2's) figure from it.
+                    page.keyboard.press("Control+Shift+C")
+                    page.locator(".lm-CommandPalette-input").fill("Replicator Workbench")
+                    items = page.locator(".lm-CommandPalette-item")
+                    expect(items.filter(has_text="Insert input_fn/step_fn Template Cell")).to_have_count(1)
+                    expect(items.filter(has_text="Stop the Running Run")).to_have_count(1)
+                    expect(items.filter(has_text="Open the Replicator Sidebar")).to_have_count(1)
+                    items.filter(has_text="Dashboard Figure").click()
+                    expect(page.locator(".lm-TabBar-tab", has_text="fg dashboard")).to_have_count(1)
+                    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="replicate.ipynb").click()
+
+                    _finished_runs_agree_and_compare(page, sidebar, status, tmp_path)
+
+                    # A scaling study: one group in the sidebar, one line per configuration (the
+                    # warm-up runs hidden), each with its steps/s and examples/s.
+                    cell = page.locator(
+                        ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell", has_text="--scaling 1,2"
+                    )
+                    cell.locator(".jp-InputPrompt").click()
+                    page.keyboard.press("Shift+Enter")
+                    study = sidebar.locator(".wb-study")
+                    expect(study.locator(".wb-section-title")).to_have_text(
+                        re.compile(r"^Scaling study \u00b7 weak \u00b7 mirrored \u00b7 \d\d:\d\d:\d\d$")
+                    )
+                    expect(study.locator(".wb-study-line")).to_have_count(2)
+                    for line in study.locator(".wb-study-line").all():
+                        expect(line.locator(".wb-run-rate")).to_have_text(re.compile(r"^[\d,.]+ steps/s$"))
+                        expect(line.locator(".wb-run-throughput")).to_have_text(
+                            re.compile(r"^[\d,.]+ examples/s$")
+                        )
+                        expect(line.locator(".wb-run-median")).to_have_text(
+                            re.compile(r"^median compiled step [\d,.]+ examples/s$")
+                        )
+                    warmups = sidebar.locator(".wb-run", has_text="warm-up")
+                    assert warmups.count() == 0, warmups.all_inner_texts()
+                    study.scroll_into_view_if_needed()
+                    page.screenshot(path=str(SCREENSHOTS / "sidebar-study.png"))
+
+                    # The run store table: sort by examples/s (descending first), filter, delete.
+                    sidebar.locator(".wb-tab-store").click()
+                    rows = sidebar.locator(".wb-stored-run")
+                    expect(rows).to_have_count(6)  # 4 runs and 2 study configurations (warm-ups: unrecorded)
+                    steps = rows.locator(".wb-col-steps").all_inner_texts()
+                    assert all(re.fullmatch(r"[\d,]+", t) for t in steps), steps  # integers: "40", not "40.0"
+                    sidebar.locator(".wb-sort-examples_per_sec").click()
+                    shown = [
+                        float(t.replace(",", ""))
+                        for t in rows.locator(".wb-col-examples_per_sec").all_inner_texts()
+                        if t != "\u2013"
+                    ]
+                    assert shown == sorted(shown, reverse=True), shown
+                    sidebar.locator(".wb-filter-backend").select_option("mirrored")
+                    expect(rows).to_have_count(6)
+                    picked = sidebar.locator(".wb-pick-run:checked")  # the two compared above
+                    for left in (1, 0):  # a click redraws the table: click, then count again
+                        picked.first.click()
+                        expect(picked).to_have_count(left)
+                    first_id = rows.first.get_attribute("data-run-id")
+                    rows.first.locator(".wb-pick-run").check()
+                    sidebar.locator(".wb-delete").click()
+                    expect(page.locator(".jp-Dialog")).to_contain_text("Delete 1 recorded run?")
+                    page.locator(".jp-Dialog button", has_text="Delete").click()
+                    expect(rows).to_have_count(5)
+                    assert not (tmp_path / "runs" / first_id).exists()
             finally:
                 browser.close()
     finally:
@@ -669,114 +710,121 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
             try:
                 page = browser.new_page(viewport={"width": 1440, "height": 900})
                 page.set_default_timeout(WAIT_MS)
-                visible = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell"
+                with _explained(page, tmp_path, "identity"):
+                    visible = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell"
 
-                def tab(name):
-                    return page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=name)
+                    def tab(name):
+                        return page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=name)
 
-                # Kernel A, then kernel B: both train a run named "shared" into one store.
-                page.goto(f"{base}/lab/tree/a.ipynb?reset&token={token}")
-                expect(page.locator(visible)).to_have_count(4)
-                sidebar = page.locator(".wb-sidebar")
-                page.locator("li[data-id='replicator-workbench-sidebar']").click()
-                expect(sidebar).to_be_visible()
-                _wait_for_idle_kernel(page)
-                _run_cell(page, 0)
-                expect(sidebar).to_have_attribute("data-state", "ready")
-                _run_cell(page, 1)
-                expect(
-                    page.locator(visible).nth(1).locator(".jp-OutputArea-output img").first
-                ).to_be_visible()
-                page.goto(f"{base}/lab/tree/b.ipynb?token={token}")
-                expect(page.locator(visible)).to_have_count(2)
-                if not sidebar.is_visible():
+                    # Kernel A, then kernel B: both train a run named "shared" into one store.
+                    page.goto(f"{base}/lab/tree/a.ipynb?reset&token={token}")
+                    expect(page.locator(visible)).to_have_count(4)
+                    sidebar = page.locator(".wb-sidebar")
                     page.locator("li[data-id='replicator-workbench-sidebar']").click()
-                _wait_for_idle_kernel(page)
-                _run_cell(page, 0)
-                expect(sidebar).to_have_attribute("data-state", "ready")
-                _run_cell(page, 1)
-                # b's run is done when its card says so (its cell's figure is a.ipynb's check)
-                expect(sidebar.locator(".wb-run .wb-run-name")).to_have_text(["shared (2)"], timeout=180_000)
-                expect(sidebar.locator(".wb-run").first).to_contain_text("finished", timeout=180_000)
-                kernels = _children(server.pid)
+                    expect(sidebar).to_be_visible()
+                    _wait_for_idle_kernel(page)
+                    _run_cell(page, 0)
+                    expect(sidebar).to_have_attribute("data-state", "ready")
+                    _run_cell(page, 1)
+                    expect(
+                        page.locator(visible).nth(1).locator(".jp-OutputArea-output img").first
+                    ).to_be_visible()
+                    page.goto(f"{base}/lab/tree/b.ipynb?token={token}")
+                    expect(page.locator(visible)).to_have_count(2)
+                    if not sidebar.is_visible():
+                        page.locator("li[data-id='replicator-workbench-sidebar']").click()
+                    _wait_for_idle_kernel(page)
+                    _run_cell(page, 0)
+                    expect(sidebar).to_have_attribute("data-state", "ready")
+                    _run_cell(page, 1)
+                    # b's run is done when its card says so (its cell's figure is a.ipynb's check)
+                    expect(sidebar.locator(".wb-run .wb-run-name")).to_have_text(
+                        ["shared (2)"], timeout=180_000
+                    )
+                    expect(sidebar.locator(".wb-run").first).to_contain_text("finished", timeout=180_000)
+                    kernels = _children(server.pid)
 
-                # The run store tab: both runs, told apart by name; the table fits the sidebar.
-                sidebar.locator(".wb-tab-store").click()
-                rows = sidebar.locator(".wb-stored-run")
-                expect(rows.locator(".wb-stored-name")).to_have_text(["shared (2)", "shared"])
-                table = sidebar.locator(".wb-runs-table")
-                page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
-                assert table.evaluate("t => t.scrollWidth <= t.parentElement.clientWidth + 1"), (
-                    "table overflows"
-                )
-                page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
+                    # The run store tab: both runs, told apart by name; the table fits the sidebar.
+                    sidebar.locator(".wb-tab-store").click()
+                    rows = sidebar.locator(".wb-stored-run")
+                    expect(rows.locator(".wb-stored-name")).to_have_text(["shared (2)", "shared"])
+                    table = sidebar.locator(".wb-runs-table")
+                    page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
+                    assert table.evaluate("t => t.scrollWidth <= t.parentElement.clientWidth + 1"), (
+                        "table overflows"
+                    )
+                    page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
 
-                # Rename and tag the second from the sidebar (JupyterLab's input dialogs).
-                mine = rows.filter(has_text="shared (2)")
-                run_b = mine.get_attribute("data-run-id")
-                mine.locator(".wb-pick-run").check()
-                sidebar.locator(".wb-rename").click()
-                page.locator(".jp-Dialog input").fill("from b")
-                page.locator(".jp-Dialog .jp-mod-accept").click()
-                renamed = sidebar.locator(f".wb-stored-run[data-run-id='{run_b}']")
-                expect(renamed.locator(".wb-stored-name")).to_have_text("from b")
-                sidebar.locator(".wb-tag").click()
-                page.locator(".jp-Dialog input").fill("best, lr-sweep")
-                page.locator(".jp-Dialog .jp-mod-accept").click()
-                expect(renamed.locator(".wb-stored-details")).to_contain_text("#best #lr-sweep")
-                sidebar.locator(".wb-filter-text").fill("lr-sweep")
-                expect(rows).to_have_count(1)
-                sidebar.locator(".wb-filter-text").fill("")
-                page.screenshot(path=str(SCREENSHOTS / "identity-renamed-tagged.png"))
+                    # Rename and tag the second from the sidebar (JupyterLab's input dialogs).
+                    mine = rows.filter(has_text="shared (2)")
+                    run_b = mine.get_attribute("data-run-id")
+                    mine.locator(".wb-pick-run").check()
+                    sidebar.locator(".wb-rename").click()
+                    page.locator(".jp-Dialog input").fill("from b")
+                    page.locator(".jp-Dialog .jp-mod-accept").click()
+                    renamed = sidebar.locator(f".wb-stored-run[data-run-id='{run_b}']")
+                    expect(renamed.locator(".wb-stored-name")).to_have_text("from b")
+                    sidebar.locator(".wb-tag").click()
+                    page.locator(".jp-Dialog input").fill("best, lr-sweep")
+                    page.locator(".jp-Dialog .jp-mod-accept").click()
+                    expect(renamed.locator(".wb-stored-details")).to_contain_text("#best #lr-sweep")
+                    sidebar.locator(".wb-filter-text").fill("lr-sweep")
+                    expect(rows).to_have_count(1)
+                    sidebar.locator(".wb-filter-text").fill("")
+                    page.screenshot(path=str(SCREENSHOTS / "identity-renamed-tagged.png"))
 
-                # Compare both: the view names them as the store does.
-                rows.filter(has_text="shared").filter(has_not_text="from b").locator(".wb-pick-run").check()
-                sidebar.locator(".wb-compare").click()
-                view = page.locator(".wb-compare-view")
-                expect(view.locator("img")).to_be_visible()
-                expect(view.locator(f"tr[data-run-id='{run_b}'] td").first).to_have_text("from b")
-                expect(view.locator("tr[data-run-id] td:first-child")).to_have_text(
-                    ["from b", "shared"]
-                )  # in the order picked
-                page.screenshot(path=str(SCREENSHOTS / "identity-compare.png"))
-                tab("b.ipynb").click()
+                    # Compare both: the view names them as the store does.
+                    rows.filter(has_text="shared").filter(has_not_text="from b").locator(
+                        ".wb-pick-run"
+                    ).check()
+                    sidebar.locator(".wb-compare").click()
+                    view = page.locator(".wb-compare-view")
+                    expect(view.locator("img")).to_be_visible()
+                    expect(view.locator(f"tr[data-run-id='{run_b}'] td").first).to_have_text("from b")
+                    expect(view.locator("tr[data-run-id] td:first-child")).to_have_text(
+                        ["from b", "shared"]
+                    )  # in the order picked
+                    page.screenshot(path=str(SCREENSHOTS / "identity-compare.png"))
+                    tab("b.ipynb").click()
 
-                # Delete the renamed run: its card leaves this kernel's tab at once.
-                picked = rows.locator(".wb-pick-run:checked")
-                for left in (1, 0):  # a click redraws the table: click, then count again
-                    picked.first.click()
-                    expect(picked).to_have_count(left)
-                renamed.locator(".wb-pick-run").check()
-                sidebar.locator(".wb-delete").click()
-                page.locator(".jp-Dialog .jp-mod-warn").click()
-                expect(rows).to_have_count(1)
-                sidebar.locator(".wb-tab-kernel").click()
-                expect(sidebar.locator(f".wb-run[data-run-id='{run_b}']")).to_have_count(0)
+                    # Delete the renamed run: its card leaves this kernel's tab at once.
+                    picked = rows.locator(".wb-pick-run:checked")
+                    for left in (1, 0):  # a click redraws the table: click, then count again
+                        picked.first.click()
+                        expect(picked).to_have_count(left)
+                    renamed.locator(".wb-pick-run").check()
+                    sidebar.locator(".wb-delete").click()
+                    page.locator(".jp-Dialog .jp-mod-warn").click()
+                    expect(rows).to_have_count(1)
+                    sidebar.locator(".wb-tab-kernel").click()
+                    expect(sidebar.locator(f".wb-run[data-run-id='{run_b}']")).to_have_count(0)
 
-                # A long background run in A ends while B is the active tab: announced.
-                tab("a.ipynb").click()
-                _run_cell(page, 2)
-                expect(sidebar.locator(".wb-run[data-status=running]")).to_have_count(1)
-                tab("b.ipynb").click()
-                expect(page.get_by_text(re.compile(r"Replicator Workbench: long finished"))).to_be_visible()
-                page.screenshot(path=str(SCREENSHOTS / "identity-notification-other-notebook.png"))
+                    # A long background run in A ends while B is the active tab: announced.
+                    tab("a.ipynb").click()
+                    _run_cell(page, 2)
+                    expect(sidebar.locator(".wb-run[data-status=running]")).to_have_count(1)
+                    tab("b.ipynb").click()
+                    expect(
+                        page.get_by_text(re.compile(r"Replicator Workbench: long finished"))
+                    ).to_be_visible()
+                    page.screenshot(path=str(SCREENSHOTS / "identity-notification-other-notebook.png"))
 
-                # The dark theme: the next run's figure is dark too.
-                page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
-                page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
-                page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
-                expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
-                tab("a.ipynb").click()
-                page.wait_for_timeout(500)  # the theme message reaches the kernel
-                _run_cell(page, 3)
-                figure = page.locator(visible).nth(3).locator(".jp-OutputArea-output img").first
-                expect(figure).to_be_visible()
-                figure.scroll_into_view_if_needed()
-                brightness = _image_brightness(figure.screenshot())
-                page.screenshot(path=str(SCREENSHOTS / "identity-dark-theme.png"))
-                assert brightness < 80, (
-                    f"the figure is not dark on the dark theme (mean grey {brightness:.0f})"
-                )
+                    # The dark theme: the next run's figure is dark too.
+                    page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+                    page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
+                    page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
+                    expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
+                    tab("a.ipynb").click()
+                    page.wait_for_timeout(500)  # the theme message reaches the kernel
+                    _run_cell(page, 3)
+                    figure = page.locator(visible).nth(3).locator(".jp-OutputArea-output img").first
+                    expect(figure).to_be_visible()
+                    figure.scroll_into_view_if_needed()
+                    brightness = _image_brightness(figure.screenshot())
+                    page.screenshot(path=str(SCREENSHOTS / "identity-dark-theme.png"))
+                    assert brightness < 80, (
+                        f"the figure is not dark on the dark theme (mean grey {brightness:.0f})"
+                    )
             finally:
                 browser.close()
     finally:
