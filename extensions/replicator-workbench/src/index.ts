@@ -152,8 +152,23 @@ function activate(
     }
   }
 
+  // Every notebook's kernel gets its link (and so our comm target) as soon as its connection
+  // exists, whichever notebook is current: a kernel connection without the target closes the
+  // comm that `%load_ext workbench` opens, and that notebook's sidebar would stay 'absent'.
+  function linkKernelOf(panel: NotebookPanel): void {
+    const kernel = panel.sessionContext.session?.kernel ?? null;
+    if (kernel && !kernel.isDisposed) {
+      linkFor(kernel);
+    }
+  }
   tracker.widgetAdded.connect((_, panel) => {
-    panel.sessionContext.kernelChanged.connect(() => panel === tracker.currentWidget && follow());
+    linkKernelOf(panel);
+    panel.sessionContext.kernelChanged.connect(() => {
+      linkKernelOf(panel);
+      if (panel === tracker.currentWidget) {
+        follow();
+      }
+    });
   });
   tracker.currentChanged.connect(follow);
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import re
 import time
 
 from workbench._src.core import errors as workbench_errors
@@ -236,9 +237,9 @@ class _Watch:
                 if errors:
                     self._report_errors(errors)
                 return
-            child = next((c for c in dead if c.popen.returncode < 0), dead[0])
+            child = next((c for c in dead if c.killed), dead[0])
             self._raise(
-                f"{_label(f'{child.role}:{child.index}')} (pid {child.pid}) {child.exit_description()}"
+                f"{_label(f'{child.role}:{child.index}')} ({child.where}) {child.exit_description()}"
                 f"{self._at_step()}; every process of the run was stopped.",
                 f"{child.role}:{child.index}",
             )
@@ -246,7 +247,7 @@ class _Watch:
             last = self.heard.get(task)
             if last is not None and task not in self.results and now - last > self.launcher.heartbeat_timeout:
                 self._raise(
-                    f"{_label(task)} (pid {self._child(task).pid}) stopped responding: no heartbeat for "
+                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
                     f"{now - last:.0f} s (frozen, stopped or starved){self._at_step()}; every process "
                     "of the run was stopped.",
                     task,
@@ -273,12 +274,22 @@ class _Watch:
         self._child(task).expected_exit = True  # it exits after reporting
         errors = {task: message, **self._drain_errors(0.7)}
         self._check()  # a worker that died without reporting is the culprit
+        unhealthy = _unhealthy_task(message.get("summary", ""))
+        if unhealthy in self.tasks and unhealthy != task and unhealthy not in errors:
+            # TensorFlow's coordination service saw the peer's heartbeats stop before ours did
+            # (a busy machine can delay our heartbeats' handling): it names the frozen one.
+            self._raise(
+                f"{_label(unhealthy)} ({self._child(unhealthy).where}) stopped responding (TensorFlow's "
+                f"coordination service stopped hearing from it){self._at_step()}; {_label(task)} then "
+                "failed, its collective aborted; every process of the run was stopped.",
+                unhealthy,
+            )
         now = time.monotonic()
         for other in self.tasks:
             silent = now - self.heard.get(other, now)
             if other not in errors and other not in self.results and silent > 2.0:
                 self._raise(
-                    f"{_label(other)} (pid {self._child(other).pid}) stopped responding (no heartbeat "
+                    f"{_label(other)} ({self._child(other).where}) stopped responding (no heartbeat "
                     f"for {silent:.0f} s){self._at_step()}; {_label(task)} then failed: "
                     f"{message['summary']}",
                     other,
@@ -374,6 +385,13 @@ def task_order(task: str):
     """Workers first, in index order (the chief is worker 0)."""
     role, index = task.split(":")
     return (role != "worker", role, int(index))
+
+
+def _unhealthy_task(text: str) -> str | None:
+    """The task TensorFlow's coordination service reports as no longer sending heartbeats
+    ("... unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1"), as "worker:1"."""
+    found = re.search(r"stopped sending heartbeats\):\s*/job:(\w+)/replica:\d+/task:(\d+)", text)
+    return f"{found.group(1)}:{found.group(2)}" if found else None
 
 
 def _label(task: str) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import queue
+import subprocess
 import threading
 import time
 
@@ -87,6 +88,10 @@ class Pool:
             # (poll() alone is not enough: a child reaped elsewhere, e.g. by a subreaper's
             # waitpid(-1), reads None for ever; /proc says it is gone)
             if child.popen.poll() is not None or not _pid_alive(child.pid):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    # (poll() reads None while another thread waits on it: this waits for the
+                    # status, so the line says how it ended, not "still running")
+                    child.popen.wait(timeout=2)
                 return f"{child.role} {child.index} (pid {child.pid}) {child.exit_description()}"
         for p in self.extra:
             if not _pid_alive(p["pid"]):
@@ -167,10 +172,19 @@ def checkout(backend: str, plan) -> tuple[Pool, list[str]]:
                 notes.append(f"starting a fresh {backend} pool: the last one was retired ({reason})")
     _retire_all(retire)  # (outside the lock: stopping processes takes a moment)
     if taken is None:
-        taken = Pool(backend, plan, keep=keep)  # (outside too: it opens a network namespace)
+        taken = new_pool(backend, plan, keep)  # (outside too: it opens a network namespace)
         with _lock:
             _pools.append(taken)
     return taken, notes
+
+
+def new_pool(backend: str, plan, keep: bool):
+    """A pool of local processes, or of Ray actors when the plan is placed on a Ray cluster."""
+    if getattr(plan, "ray", None) is not None:
+        from workbench._src.launch.ray_pool import RayPool  # (Ray is imported only then)
+
+        return RayPool(backend, plan, keep=keep)
+    return Pool(backend, plan, keep=keep)
 
 
 def checkin(pool: Pool, healthy: bool, reason: str = "") -> None:

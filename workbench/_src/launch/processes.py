@@ -89,6 +89,15 @@ class Child:
     def label(self) -> str:
         return f"{self.role} {self.index} (pid {self.pid})"
 
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid}"
+
+    @property
+    def killed(self) -> bool:
+        """It ended by a signal (the likely culprit when several members ended)."""
+        return self.popen.returncode is not None and self.popen.returncode < 0
+
     def exit_description(self) -> str:
         code = self.popen.returncode
         if code is None:
