@@ -38,6 +38,7 @@ NOT_RUN = {
     "test_ci_runs_the_readmes_test_command checks they agree)",
     'python -m pytest -m "not slow"': "the fast lane: the tests themselves",
     "--cluster TF_CONFIG": "needs two hosts named gpu-a and gpu-b",
+    "ray start --head": "needs two hosts; tests/test_ray.py makes a two-node Ray cluster in network namespaces",
 }
 CHEAP_COMMAND = re.compile(r"^workbench (run|scale) examples/\S+\.py( |$)")
 

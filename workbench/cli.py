@@ -18,6 +18,8 @@ RUN_EXAMPLES = """examples:
   workbench run examples/train.py --backend multi-worker --cluster TF_CONFIG --steps 500
   # async-ps: the chief runs the file, the ps and worker tasks serve until the chief has gone:
   workbench run examples/train.py --backend async-ps --cluster TF_CONFIG --steps 500
+  # or from one machine, the processes placed on a Ray cluster (`ray start` ran on every node):
+  workbench run examples/train.py --backend multi-worker --workers 4 --cluster ray --steps 500
 
 FILE.py is run inside the replicator's context (as a %%replicate cell is): it builds its model
 and optimizer and defines input_fn(ctx) and step_fn(batch); `repl` (or wb.current()) is the
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--history", metavar="CSV", help="write the run's history to this CSV file")
     run.add_argument(
         "--cluster",
-        help="join a real cluster: TF_CONFIG (the environment variable) or slurm; default: start local processes",
+        help="join a real cluster: TF_CONFIG (the environment variable) or slurm; or place the worker "
+        "processes on a Ray cluster: ray, ray=ADDRESS, ray=local; default: start local processes",
     )
     run.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the cluster")
     run.add_argument("--cpus", type=int, help="virtual CPU devices in this process (default 8 without GPUs)")

@@ -93,6 +93,12 @@ PS = _option(
     metavar="N",
     help=f"parameter servers ({', '.join(registry.names(takes_ps=True))})",
 )
+CLUSTER = _option(
+    "--cluster",
+    metavar="ray[=ADDRESS]",
+    help="place the worker processes on a Ray cluster: ray (the one this machine joined), "
+    "ray=ADDRESS (e.g. ray://head:10001) or ray=local (a Ray instance of this kernel)",
+)
 STEPS = _option("--steps", "-s", type=steps, metavar="N", help="train this many steps")
 STEPS_PER_EXECUTION = _option(
     "--steps-per-execution",

@@ -40,6 +40,7 @@ from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
 from workbench._src.launch.join_watchdog import wait_for_peers
 from workbench._src.launch.launcher import Task
+from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.servers import LocalServers
 
 _connected = None  # weakref to the replicator whose cluster this process uses (one at a time)
@@ -56,6 +57,7 @@ class AsyncPsPlan(LaunchPlan):
     threads_per_server: int | None = None
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
+    ray: RayCluster | None = None  # placed on a Ray cluster (launch/ray_pool.py), else local
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
@@ -72,21 +74,48 @@ class AsyncPsPlan(LaunchPlan):
             "num_workers": self.num_workers,
             "num_ps": self.num_ps,
             "synchronous": False,
-        }
+        } | ({"cluster": f"ray:{self.ray.address or 'local'} ({self.ray.placement})"} if self.ray else {})
 
     @property
     def launch_timeout(self) -> float:
         return self.startup_timeout + 60.0  # the coordinator's own start includes the servers'
 
-    def tasks(self) -> list[Task]:
+    def tasks(self, cluster: dict | None = None) -> list[Task]:
         options = {
             "num_workers": self.num_workers,
             "num_ps": self.num_ps,
             "startup_timeout": self.startup_timeout,
             "threads_per_server": self.threads_per_server,
         }
+        if cluster is not None:  # its servers are elsewhere (a Ray pool's members): no local ones
+            options["cluster"] = {"cluster": cluster, "task": {"type": "chief", "index": 0}}
         env = {**runtime.backend_env(MultiWorkerAsyncReplicator.backend, options), "CUDA_VISIBLE_DEVICES": ""}
         return [Task("coordinator", 0, env)]
+
+    # On a Ray cluster the servers are members of the pool too, each an actor in its bundle.
+    def ray_layout(self) -> list[tuple[str, int]]:
+        return [
+            ("coordinator", 0),
+            *[("ps", i) for i in range(self.num_ps)],
+            *[("worker", i) for i in range(self.num_workers)],
+        ]
+
+    def _ray_cluster_spec(self, addresses: dict) -> dict:
+        return {
+            "chief": [addresses[("coordinator", 0)]],
+            "ps": [addresses[("ps", i)] for i in range(self.num_ps)],
+            "worker": [addresses[("worker", i)] for i in range(self.num_workers)],
+        }
+
+    def tasks_on(self, addresses: dict) -> list[Task]:
+        return self.tasks(self._ray_cluster_spec(addresses))
+
+    def servers_on(self, addresses: dict) -> dict:
+        spec = self._ray_cluster_spec(addresses)
+        return {key: spec for key in self.ray_layout() if key[0] != "coordinator"}
+
+    def server_may_die(self, role: str) -> bool:
+        return role == "worker"  # asynchronous training goes on with the other workers
 
 
 class MultiWorkerAsyncReplicator(ProcessBackend):
@@ -223,6 +252,8 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         """Starts the local servers before this process imports TensorFlow (worker_main), so
         their imports run alongside its own; the strategy waits for them to listen."""
         plan = self.plan
+        if self._cluster_option is not None:
+            return  # a cluster's servers (a Ray pool's members) run elsewhere
         self.servers = LocalServers(
             plan.num_workers,
             plan.num_ps,

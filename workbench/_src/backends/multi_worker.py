@@ -26,6 +26,7 @@ from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
 from workbench._src.launch.launcher import Task
 from workbench._src.launch.processes import free_ports
+from workbench._src.launch.ray_cluster import RayCluster
 
 
 @dataclasses.dataclass
@@ -39,6 +40,7 @@ class MultiWorkerPlan(LaunchPlan):
     threads_per_worker: int | None = None
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
+    ray: RayCluster | None = None  # placed on a Ray cluster (launch/ray_pool.py), else local
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
@@ -51,16 +53,45 @@ class MultiWorkerPlan(LaunchPlan):
         return self.num_workers * self.devices_per_worker
 
     def describe(self) -> dict:
-        return {
+        described = {
             "backend": MultiWorkerReplicator.backend,
             "num_replicas": self.num_replicas,
             "num_workers": self.num_workers,
             "devices_per_worker": self.devices_per_worker,
             "synchronous": True,
         }
+        if self.ray is not None:
+            described["cluster"] = f"ray:{self.ray.address or 'local'} ({self.ray.placement})"
+        return described
 
     def tasks(self) -> list[Task]:
         cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(self.num_workers)]}
+        return self._tasks(cluster, self._device_env)
+
+    def ray_layout(self) -> list[tuple[str, int]]:
+        return [("worker", i) for i in range(self.num_workers)]
+
+    def tasks_on(self, addresses: dict) -> list[Task]:
+        """The workers on a Ray cluster: each at its node's address; Ray gives each its GPUs."""
+        if self.devices_per_worker != 1 and not self.ray.resources_per_worker.get("GPU"):
+            raise ConfigurationError(
+                f"devices_per_worker={self.devices_per_worker} needs GPUs in each worker's Ray "
+                f"bundle; resources_per_worker={self.ray.resources_per_worker}. Fix: "
+                "resources_per_worker={'GPU': N, ...} or devices_per_worker=1."
+            )
+        cluster = {"worker": [addresses[("worker", i)] for i in range(self.num_workers)]}
+
+        def device_env(index):
+            env = {"WORKBENCH_WORKER_DEVICES": str(self.devices_per_worker)}
+            if self.threads_per_worker:
+                env["WORKBENCH_WORKER_THREADS"] = str(self.threads_per_worker)
+            if not self.ray.resources_per_worker.get("GPU"):
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            return env
+
+        return self._tasks(cluster, device_env)
+
+    def _tasks(self, cluster: dict, device_env) -> list[Task]:
         options = {"devices_per_worker": self.devices_per_worker}
         return [
             Task(
@@ -69,7 +100,7 @@ class MultiWorkerPlan(LaunchPlan):
                 {
                     **runtime.backend_env(MultiWorkerReplicator.backend, options),
                     "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                    **self._device_env(i),
+                    **device_env(i),
                 },
             )
             for i in range(self.num_workers)

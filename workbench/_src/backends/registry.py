@@ -211,3 +211,14 @@ def check_counts(backend: BackendSpec, num_replicas=None, num_workers=None, num_
             f"--ps (parameter servers) applies to the {' and '.join(names(takes_ps=True))} backend; "
             f"received backend={backend.name!r} with ps={num_ps}. Fix: drop --ps, or use --backend async-ps."
         )
+
+
+def check_cluster(backend: BackendSpec, cluster: str | None) -> None:
+    """--cluster (a Ray cluster) applies to the backends of worker processes."""
+    if cluster is not None and not backend.takes_workers:
+        takers = " and ".join(names(takes_workers=True))
+        raise ConfigurationError(
+            f"--cluster places worker processes, which the {backend.name} backend does not have; "
+            f"received backend={backend.name!r} with --cluster {cluster}. Fix: --backend {takers}, "
+            "or drop --cluster to use this machine's devices."
+        )

@@ -25,6 +25,7 @@ from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
 from workbench._src.launch import runtime, shipping
 from workbench._src.launch.launcher import Launcher, task_order
+from workbench._src.launch.ray_cluster import RayCluster
 
 
 class LaunchPlan:
@@ -52,6 +53,23 @@ class LaunchPlan:
         """How long the launcher waits for every process to be ready."""
         return self.startup_timeout
 
+    # ----- placed on a Ray cluster (launch/ray_pool.py): the plan's `ray` field is set ------
+    def ray_layout(self) -> list[tuple[str, int]]:
+        """(role, index) of every process of a Ray-placed pool, the chief first."""
+        return [(t.role, t.index) for t in self.tasks()]
+
+    def tasks_on(self, addresses: dict) -> list:
+        """The tasks that run work, for processes at `addresses` {(role, index): "host:port"}."""
+        raise NotImplementedError
+
+    def servers_on(self, addresses: dict) -> dict:
+        """{(role, index): cluster spec} of the members that only run a TensorFlow server."""
+        return {}
+
+    def server_may_die(self, role: str) -> bool:
+        """A member of this role may die without ending the run (async-ps's worker servers)."""
+        return False
+
     # Fields that change how long to wait or keep, not which processes run.
     NOT_SHAPE = ("startup_timeout", "heartbeat_timeout", "idle_timeout", "pool")
 
@@ -71,7 +89,10 @@ class ProcessBackend(Replicator):
         arguments = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
         arguments.pop("self")
         input_options = arguments.pop("input_options", {})
-        if arguments.pop("cluster", None) is None and not runtime.is_launched():
+        cluster = arguments.pop("cluster", None)
+        if isinstance(cluster, RayCluster):  # the same processes, placed on a Ray cluster
+            return RemoteReplicator(cls.backend, cls.Plan(**arguments, ray=cluster), **input_options)
+        if cluster is None and not runtime.is_launched():
             return RemoteReplicator(cls.backend, cls.Plan(**arguments), **input_options)
         return super().__new__(cls)
 
@@ -133,7 +154,7 @@ class RemoteReplicator(Replicator):
 
     @property
     def processes(self) -> list[dict]:
-        """Role, index and pid of every process of the last launch."""
+        """Role, index and pid (and, on a Ray cluster, node) of every process of the last launch."""
         return self.launcher.last_processes
 
     @property

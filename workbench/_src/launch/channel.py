@@ -147,7 +147,40 @@ def _peer_pid(conn: Connection) -> int | None:
 
 
 # ----- child side ------------------------------------------------------------------------------
-class ParentLink:
+class LinkInbox:
+    """A member's side of the launcher's messages, whatever carries them (a ParentLink's socket,
+    a Ray actor's method calls): a "stop" goes to `on_stop` at once (the run that is going; none
+    between runs), anything else waits for `next_message()`. One reader, so a stop listener of
+    one run can never swallow the next run's work."""
+
+    def open_inbox(self) -> None:
+        self.on_stop = None
+        self.current_run = None  # the run number of the work being done (stops name theirs)
+        self.stop_pending = False  # this run's stop came before its run loop started
+        self._inbox: queue.Queue = queue.Queue()
+
+    def receive(self, message: dict | None) -> None:
+        """One message from the launcher; None: the launcher is gone."""
+        if message is not None and message.get("type") == "stop":
+            if message.get("run") != self.current_run:
+                return  # a late stop of a run that has ended: not for this one
+            callback = self.on_stop
+            if callback is not None:
+                callback()
+            else:
+                self.stop_pending = True
+        else:
+            self._inbox.put(message)
+
+    def next_message(self) -> dict | None:
+        """The launcher's next work or shutdown message; None when it has gone."""
+        message = self._inbox.get()
+        if message is not None and message.get("type") == "work":
+            self.stop_pending, self.current_run = False, message.get("run")
+        return message
+
+
+class ParentLink(LinkInbox):
     """Child side: connects to the parent's channel; exits when the parent goes away."""
 
     def __init__(self):
@@ -179,40 +212,19 @@ class ParentLink:
             raise
 
     def start_reader(self) -> None:
-        """Reads the parent's messages on a thread: a "stop" goes to `on_stop` at once (the run
-        that is going; none between runs), anything else waits for `next_message()`. One reader,
-        so a stop listener of one run can never swallow the next run's work."""
-        self.on_stop = None
-        self.current_run = None  # the run number of the work being done (stops name theirs)
-        self.stop_pending = False  # this run's stop came before its run loop started
-        self._inbox: queue.Queue = queue.Queue()
+        """Reads the parent's messages on a thread (see LinkInbox.receive)."""
+        self.open_inbox()
 
         def read():
             while True:
                 try:
                     message = self.recv()
                 except (EOFError, OSError):
-                    self._inbox.put(None)  # the parent is gone
+                    self.receive(None)  # the parent is gone
                     return
-                if message.get("type") == "stop":
-                    if message.get("run") != self.current_run:
-                        continue  # a late stop of a run that has ended: not for this one
-                    callback = self.on_stop
-                    if callback is not None:
-                        callback()
-                    else:
-                        self.stop_pending = True
-                else:
-                    self._inbox.put(message)
+                self.receive(message)
 
         threading.Thread(target=read, name="workbench parent reader", daemon=True).start()
-
-    def next_message(self) -> dict | None:
-        """The parent's next work or shutdown message; None when the parent has gone."""
-        message = self._inbox.get()
-        if message is not None and message.get("type") == "work":
-            self.stop_pending, self.current_run = False, message.get("run")
-        return message
 
     def start_heartbeat(self, every: float = 0.5) -> None:
         def beat():

@@ -34,6 +34,19 @@ def main() -> None:
     link = ParentLink()
     link.start_reader()
     link.start_heartbeat()
+    code = serve(link, entered)
+    from workbench._src.launch.processes import remove_own_tmp_dir
+
+    remove_own_tmp_dir()  # AutoGraph's files; the group's stop() removes it if we never get here
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve(link, entered: float) -> int:
+    """The member's life once its link to the launcher is up: build this process's replicator,
+    then run work items until "shutdown" (or the launcher is gone); returns the exit code.
+    `link` is a channel.ParentLink, or a Ray actor's link (launch/ray_pool.py)."""
     code = 1
     repl = None
     try:
@@ -81,12 +94,7 @@ def main() -> None:
                 repl.close_launched_process()
             except Exception:  # noqa: BLE001 - exiting anyway; servers also exit on stdin EOF
                 pass
-        from workbench._src.launch.processes import remove_own_tmp_dir
-
-        remove_own_tmp_dir()  # AutoGraph's files; the group's stop() removes it if we never get here
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    return code
 
 
 def _configure_tensorflow() -> None:

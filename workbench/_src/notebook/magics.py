@@ -59,6 +59,7 @@ class ReplicateMagics(Magics):
         options.REPLICAS,
         options.WORKERS,
         options.PS,
+        options.CLUSTER,
         options.STEPS.but(
             help="train this many steps (training forms); measured steps per configuration "
             "(--scaling, default 50); steps compared (--compare, default 1)"
@@ -274,7 +275,7 @@ class ReplicateMagics(Magics):
                 )
             return repl
         try:
-            return session.choose(args.backend, args.replicas, args.workers, args.ps)
+            return session.choose(args.backend, args.replicas, args.workers, args.ps, cluster=args.cluster)
         except (ConfigurationError, DeviceError) as e:
             raise UsageError(str(e)) from None
 
@@ -350,9 +351,10 @@ def _choice_text(args) -> str:
         ("--replicas", args.replicas),
         ("--workers", args.workers),
         ("--ps", args.ps),
+        ("--cluster", args.cluster),
     )
     return " ".join(f"{flag} {value}" for flag, value in given if value is not None)
 
 
 def _choice_given(args) -> bool:
-    return any(v is not None for v in (args.backend, args.replicas, args.workers, args.ps))
+    return any(v is not None for v in (args.backend, args.replicas, args.workers, args.ps, args.cluster))

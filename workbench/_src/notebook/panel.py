@@ -3,7 +3,8 @@
 The panel is a thin layer over `workbench._src.notebook.session` (ipywidgets 8): choosing a backend or a
 replica count calls `session.choose`, exactly what `%replicate --backend ...` does, and the panel
 follows choices made by the magic. Its state is plain traitlets (`backend`, `replicas`,
-`workers`, `ps`, `steps`, `magic_line`, `status`), so it is testable without a browser.
+`workers`, `ps`, `cluster`, `steps`, `magic_line`, `status`), so it is testable without a browser.
+`cluster` places a process backend's workers on a Ray cluster; the panel then shows its nodes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import ipywidgets as w
 import traitlets
 
 from workbench._src.backends import registry
+from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import device_summary
+from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.notebook import session
 from workbench._src.sinks.dashboard import Dashboard
 
@@ -31,6 +34,10 @@ class Panel(w.VBox):
     magic_line = traitlets.Unicode("", help="the %replicate line that does what Run does")
     status = traitlets.Unicode("", help="what the panel last did, or why it could not")
     pool_text = traitlets.Unicode("", help="the warm worker pools of this kernel ('' when none)")
+    cluster = traitlets.Unicode(
+        "", help="where worker processes run: '' (this machine), 'ray', 'ray=ADDRESS' or 'ray=local'"
+    )
+    cluster_text = traitlets.Unicode("", help="the Ray cluster's nodes and free CPUs/GPUs ('' when none)")
 
     def __init__(self, namespace: dict | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -69,7 +76,17 @@ class Panel(w.VBox):
             )
         return value
 
-    @traitlets.observe("backend", "replicas", "workers", "ps", "steps")
+    @traitlets.validate("cluster")
+    def _valid_cluster(self, proposal):
+        value = proposal["value"].strip()
+        if value:
+            try:
+                RayCluster.from_option(value)
+            except ConfigurationError as e:
+                raise traitlets.TraitError(str(e)) from None
+        return value
+
+    @traitlets.observe("backend", "replicas", "workers", "ps", "steps", "cluster")
     def _on_choice(self, change):
         self._sync_widgets()
         if change["name"] != "steps" and not self._syncing:
@@ -78,13 +95,36 @@ class Panel(w.VBox):
     def apply(self):
         """Sets the session's replicator from the panel's choice (as the magic does); returns it."""
         try:
-            repl = session.choose(self.backend, *self._counts())
+            repl = session.choose(self.backend, *self._counts(), cluster=self._cluster_choice())
         except Exception as e:  # noqa: BLE001 - shown in the panel, a button has no traceback
             self.status = f"error: {e}"
             return None
         self.status = f"session replicator: {repl!r}"
         self.refresh_pool()  # (choosing another shape ended the old pool)
+        self.refresh_cluster()
         return repl
+
+    def refresh_cluster(self) -> None:
+        """Shows the chosen Ray cluster's nodes and what it has free (connecting to it once)."""
+        choice = self._cluster_choice()
+        if choice is None:
+            self.cluster_text = ""
+        else:
+            try:
+                ray_cluster = RayCluster.from_option(choice)
+                lines = [ray_cluster.describe()]
+                lines += [
+                    f"node {n['address']}{' (head)' if n['head'] else ''}: CPU {n['cpus']:g}, GPU {n['gpus']:g}"
+                    for n in ray_cluster.nodes()
+                ]
+                self.cluster_text = "\n".join(lines)
+            except Exception as e:  # noqa: BLE001 - shown in the panel
+                self.cluster_text = f"error: {e}"
+        self._cluster_info.value = "<br>".join(html.escape(line) for line in self.cluster_text.splitlines())
+
+    def _cluster_choice(self) -> str | None:
+        """The cluster option, when the backend has worker processes to place."""
+        return self.cluster or None if self._spec.takes_workers else None
 
     # ----- warm worker pools ----------------------------------------------------------------
     def refresh_pool(self) -> None:
@@ -220,6 +260,18 @@ class Panel(w.VBox):
         )
         self._ps = w.BoundedIntText(min=1, max=64, description="ps", layout=w.Layout(width="170px"))
         self._steps = w.BoundedIntText(min=1, max=10**9, description="steps", layout=w.Layout(width="190px"))
+        self._cluster = w.Combobox(
+            options=["ray=local", "ray"],
+            placeholder="this machine",
+            description="cluster",
+            tooltip="where the worker processes run: this machine (empty), or a Ray cluster "
+            "(ray: the one this machine joined; ray=ADDRESS; ray=local: a Ray instance of this kernel)",
+            ensure_option=False,
+            continuous_update=False,
+            layout=w.Layout(width="260px"),
+        )
+        self._cluster.observe(lambda c: self._set_cluster(c["new"]), "value")
+        self._cluster_info = w.HTML()
         for widget, trait in (
             (self._replicas, "replicas"),
             (self._workers, "workers"),
@@ -252,6 +304,7 @@ class Panel(w.VBox):
             w.HBox([w.Label("mode"), self._sync_button, self._async_button]),
             self._reasons,
             w.HBox([self._replicas, self._workers, self._ps, self._steps]),
+            w.HBox([self._cluster, self._cluster_info]),
             w.HBox([self._run_button, self._stop_button]),
             self._status,
             self._pool_row,
@@ -273,6 +326,14 @@ class Panel(w.VBox):
             self._pick(name)
         else:
             self._sync_widgets()  # a toggle cannot be switched off: pick another backend
+
+    def _set_cluster(self, value: str) -> None:
+        if not self._syncing:
+            try:
+                self.cluster = value
+            except traitlets.TraitError as e:
+                self.status = f"error: {e}"
+                self._sync_widgets()
 
     def _set_from_widget(self, trait: str, value: int) -> None:
         if not self._syncing:
@@ -298,9 +359,12 @@ class Panel(w.VBox):
             self._workers.value, self._workers.disabled = self.workers, not spec.takes_workers
             self._ps.value, self._ps.disabled = self.ps, not spec.takes_ps
             self._steps.value = self.steps
+            self._cluster.value, self._cluster.disabled = self.cluster, not spec.takes_workers
         finally:
             self._syncing = False
-        self.magic_line = session.magic_line(self.backend, *self._counts(), steps=self.steps, background=True)
+        self.magic_line = session.magic_line(
+            self.backend, *self._counts(), steps=self.steps, background=True, cluster=self._cluster_choice()
+        )
         self._magic.value = f"equivalent magic (copy into a cell):<pre style='margin:2px 0'>{html.escape(self.magic_line)}</pre>"
 
     def _counts(self) -> tuple:
@@ -322,6 +386,8 @@ class Panel(w.VBox):
             backend = (choice or {}).get("backend") or getattr(repl, "backend", self.backend)
             if backend in self.reasons and not self.reasons[backend]:
                 self.backend = backend
+            if choice is not None:
+                self.cluster = choice.get("cluster") or ""
             for trait, key in (("replicas", "num_replicas"), ("workers", "num_workers"), ("ps", "num_ps")):
                 value = (choice or {}).get(key)
                 if value is None and trait == "replicas" and registry.spec(backend).takes_replicas and repl:

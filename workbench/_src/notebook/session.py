@@ -16,6 +16,7 @@ from typing import Any
 from workbench._src.backends import registry
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
+from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.sinks import runstore
 from workbench._src.sinks.dashboard import Dashboard
 
@@ -35,6 +36,7 @@ def choose(
     num_replicas: int | None = None,
     num_workers: int | None = None,
     num_ps: int | None = None,
+    cluster: str | None = None,
 ):
     """Sets the session's replicator by backend name; returns it. What `%replicate --backend` does.
 
@@ -46,6 +48,7 @@ def choose(
       num_replicas: replicas (None: every device the backend can use).
       num_workers: worker processes (multi-worker, async-ps only).
       num_ps: parameter servers (async-ps only).
+      cluster: "ray", "ray=ADDRESS" or "ray=local": place the worker processes on a Ray cluster.
 
     Example:
       >>> import workbench as wb
@@ -58,15 +61,19 @@ def choose(
             backend = (_choice or {}).get("backend") or getattr(_current, "backend", None) or registry.DEFAULT
         backend = normalize_backend(backend)
         registry.check_counts(registry.spec(backend), num_replicas, num_workers, num_ps)
+        registry.check_cluster(registry.spec(backend), cluster)
         choice = {
             "backend": backend,
             "num_replicas": num_replicas,
             "num_workers": num_workers,
             "num_ps": num_ps,
+            "cluster": cluster,
         }
         if _current is not None and choice == _choice:
             return _current
         extra = {k: v for k, v in (("num_workers", num_workers), ("num_ps", num_ps)) if v is not None}
+        if cluster is not None:
+            extra["cluster"] = RayCluster.from_option(cluster)
         repl = registry.replicator(backend, num_replicas=num_replicas, **extra)
         _set(repl, choice)
         return repl
@@ -159,6 +166,7 @@ def magic_line(
     steps: int | None = None,
     functions: tuple[str, str] | None = ("step_fn", "input_fn"),
     background: bool = False,
+    cluster: str | None = None,
 ) -> str:
     """The `%replicate` line that does the same as these options (shown by the panel to copy)."""
     parts = ["%replicate"]
@@ -169,6 +177,7 @@ def magic_line(
         ("--replicas", num_replicas),
         ("--workers", num_workers),
         ("--ps", num_ps),
+        ("--cluster", cluster),
         ("--steps", steps),
     ):
         if value is not None:

@@ -17,6 +17,7 @@ from workbench._src.backends import registry
 from workbench._src.core import tf_setup
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
+from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.shipping import CellSetup
 from workbench._src.notebook import session
 from workbench._src.scripts import serve_task
@@ -39,7 +40,12 @@ def run_file(args) -> int:
     try:
         _check_options(args)
         backend = registry.spec(args.backend)
-        if args.cluster and not backend.synchronous and serve_task.is_server_task(args.cluster):
+        if (
+            args.cluster
+            and not _on_ray(args)
+            and not backend.synchronous
+            and serve_task.is_server_task(args.cluster)
+        ):
             return serve_task.serve(args.cluster, args.startup_timeout)  # ps/worker: only the chief runs FILE
         repl = _make_replicator(args)
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
@@ -141,6 +147,11 @@ def _check_options(args) -> None:
         )
 
 
+def _on_ray(args) -> bool:
+    """--cluster ray[=ADDRESS]: this process places the workers on a Ray cluster (no TF_CONFIG)."""
+    return bool(args.cluster) and args.cluster.partition("=")[0].strip() == "ray"
+
+
 def _make_replicator(args):
     extra = {}
     if args.workers is not None:
@@ -148,7 +159,7 @@ def _make_replicator(args):
     if args.ps is not None:
         extra["num_ps"] = args.ps
     if args.cluster:
-        extra["cluster"] = args.cluster
+        extra["cluster"] = RayCluster.from_option(args.cluster) if _on_ray(args) else args.cluster
     if registry.spec(args.backend).in_processes:
         extra["startup_timeout"] = args.startup_timeout
     return registry.replicator(args.backend, num_replicas=args.replicas, **extra)

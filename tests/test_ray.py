@@ -1,0 +1,179 @@
+"""Worker pools placed on a Ray cluster (issue 22), on a local Ray instance with token
+authentication (Ray's default for local clusters): the same runs as the local launcher's, the
+same faults, and nothing of a pool left once it is shut down.
+
+The Ray instance is this test process's own (`wb.RayCluster(address=None)` starts it; ray.shutdown
+ends every process it started): another user's Ray cluster on the machine is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import PROCESS_CELL, regression_setup, wait_for, wait_for_steps
+
+import workbench as wb
+from workbench._src.notebook import session
+
+pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+# The cell of the process tests, started from the same weights wherever it runs.
+SAME_START_CELL = PROCESS_CELL.replace(
+    "keras.layers.Dense(1)", "keras.layers.Dense(1, kernel_initializer='zeros')"
+)
+assert SAME_START_CELL != PROCESS_CELL
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray instance of this process (2 nodes' worth of CPUs on one), ended afterwards."""
+    import ray
+
+    assert not ray.is_initialized(), "a Ray connection was left by another test module"
+    cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
+    cluster.connect()
+    yield cluster
+    ray.shutdown()
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie is gone too (its parent, a raylet, reaps it in its own time)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _placement_groups_alive() -> list[str]:
+    from ray.util import placement_group_table
+
+    return [pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"]
+
+
+def test_sync_run_on_ray_equals_the_local_launcher_and_leaves_nothing_after_shutdown(ray_cluster):
+    ns_local, ns_ray = {}, {}
+    local = wb.MultiWorkerReplicator(num_workers=2)
+    local.train_cell(SAME_START_CELL, ns_local, steps=30)
+    local.shutdown()
+    placed = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster)
+    assert placed.describe()["cluster"] == "ray:local (pack)"
+    run = placed.train_cell(SAME_START_CELL, ns_ray, steps=30)
+    assert run.status == "finished", run.stop_reason
+    assert list(run.history["step"]) == list(range(1, 31))  # one row per step
+    for a, b in zip(ns_local["model"].get_weights(), ns_ray["model"].get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    roles = sorted((p["role"], p["index"]) for p in run.processes)
+    assert roles == [("worker", 0), ("worker", 1)]
+    assert all(p["node"] and p["pid"] for p in run.processes), run.processes
+    pids = [p["pid"] for p in run.processes]
+
+    # A second run takes the warm pool: the same actors, started in about a second.
+    again = placed.train_cell(PROCESS_CELL, {}, steps=10)
+    assert [p["pid"] for p in again.processes] == pids
+    assert "handoff" in again.startup, again.startup
+
+    placed.shutdown()
+    wait_for(lambda: all(_pid_gone(pid) for pid in pids), 30, f"the pool's actors {pids} to end")
+    assert _placement_groups_alive() == []
+
+
+def test_async_ps_on_ray_trains_with_one_row_per_step(ray_cluster):
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
+    try:
+        run = repl.train_cell(PROCESS_CELL, {}, steps=60)
+        assert run.status == "finished", run.stop_reason
+        assert len(run.history) == 60
+        roles = sorted((p["role"], p["index"]) for p in run.processes)
+        assert roles == [("coordinator", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
+        loss = run.history["loss"]
+        assert loss.tail(10).mean() < loss.head(10).mean(), list(loss)
+    finally:
+        repl.shutdown()
+
+
+def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ray_cluster):
+    repl = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster)
+    try:
+        run = repl.train(setup=regression_setup, steps=100_000, background=True)
+        wait_for_steps(run, 20)
+        victim = next(p for p in run.processes if p["role"] == "worker" and p["index"] == 1)
+        killed = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        with pytest.raises(wb.WorkerError) as caught:
+            run.wait(timeout=60)
+        seconds = time.monotonic() - killed
+        text = str(caught.value)
+        assert "worker 1" in text and victim["node"] in text and str(victim["pid"]) in text, text
+        assert seconds < 30, f"the death was reported after {seconds:.0f} s"
+        assert run.status == "failed"
+        assert len(run.history) >= 20  # what ran is kept
+    finally:
+        repl.shutdown()
+    assert _placement_groups_alive() == []
+
+
+def test_a_placement_the_cluster_cannot_meet_is_a_clear_error_within_startup_timeout(ray_cluster):
+    impossible = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5, "GPU": 1}, placement="spread")
+    repl = wb.MultiWorkerReplicator(num_workers=4, cluster=impossible, startup_timeout=5)
+    started = time.monotonic()
+    with pytest.raises(wb.ConfigurationError) as caught:
+        repl.train(setup=regression_setup, steps=5)
+    assert time.monotonic() - started < 30
+    text = str(caught.value)
+    assert "cannot place" in text and "4 processes" in text and "GPU 0" in text and "Fix:" in text, text
+    assert _placement_groups_alive() == []
+
+
+def test_bad_ray_cluster_options_say_what_was_wrong():
+    with pytest.raises(wb.ConfigurationError, match="'spread'.*'pack'.*received 'everywhere'"):
+        wb.RayCluster(placement="everywhere")
+    with pytest.raises(wb.ConfigurationError, match="resources_per_worker.*received"):
+        wb.RayCluster(resources_per_worker={"CPU": -1})
+    with pytest.raises(wb.ConfigurationError, match="--cluster takes ray"):
+        wb.RayCluster.from_option("kubernetes")
+    with pytest.raises(wb.ConfigurationError, match="--cluster places worker processes.*mirrored"):
+        session.choose("mirrored", num_replicas=2, cluster="ray")
+    assert wb.RayCluster.from_option("ray").address == "auto"
+    assert wb.RayCluster.from_option("ray=local").address is None
+    assert wb.RayCluster.from_option("ray=ray://head:10001").address == "ray://head:10001"
+
+
+def test_workbench_run_places_the_workers_on_ray_from_the_command_line(tmp_path):
+    env = dict(os.environ, WORKBENCH_RUNS_DIR=str(tmp_path / "runs"))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench.cli",
+            "run",
+            str(ROOT / "examples" / "train.py"),
+            "--backend",
+            "multi-worker",
+            "--workers",
+            "2",
+            "--cluster",
+            "ray=local",
+            "--steps",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "step 20" in done.stdout or "20/20" in done.stdout, done.stdout[-2000:]
+    assert done.stderr.strip() == "", done.stderr[-3000:]  # neither Ray's nor TensorFlow's start-up lines

@@ -1,0 +1,192 @@
+"""A two-node Ray cluster on one machine (issue 22): two network namespaces joined by a veth pair
+(tests/two_hosts.py), `ray start --head` in one, `ray start --address` in the other, with token
+authentication; the notebook's side (a driver script) in the first. With placement="spread" one
+worker lands on each node; sync training equals one device on the global batch; taking the link
+down mid-run ends the run with a clear error within 30 s, and nothing of the run is left on either
+node. Every process is ended by the pids of the two namespaces (never `ray stop`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from helpers import PROCESS_CELL
+from two_hosts import TwoHosts
+
+pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+DRIVER = r"""
+import json, sys, time
+import numpy as np
+import workbench as wb
+
+cell, head = sys.argv[1], sys.argv[2]
+out = {}
+cluster = wb.RayCluster(address=head, resources_per_worker={"CPU": 1}, placement="spread")
+out["nodes"] = [n["address"] for n in cluster.nodes()]
+repl = wb.MultiWorkerReplicator(num_workers=2, cluster=cluster)
+ns_ray, ns_one = {}, {}
+run = repl.train_cell(cell, ns_ray, steps=30)
+out["status"], out["rows"], out["processes"] = run.status, len(run.history), run.processes
+wb.NonReplicator().train_cell(cell, ns_one, steps=30)
+out["max_difference"] = max(
+    float(np.max(np.abs(a - b))) for a, b in zip(ns_ray["model"].get_weights(), ns_one["model"].get_weights())
+)
+print("RESULT " + json.dumps(out), flush=True)
+
+# The cut: a long run in the background; the test takes the link down once it trains.
+run = repl.train_cell(cell, {}, steps=1_000_000, background=True)
+while run.steps < 20 and run.running:
+    time.sleep(0.05)
+print("TRAINING " + json.dumps({"processes": run.processes}), flush=True)
+sys.stdin.readline()  # the test has cut the link
+cut = time.monotonic()
+try:
+    run.wait(timeout=120)
+    error = None
+except wb.WorkerError as e:
+    error = str(e)
+print("CUT " + json.dumps({"error": error, "seconds": time.monotonic() - cut, "status": run.status}), flush=True)
+"""
+
+
+class RayNodes:
+    """`ray start` on each of the two hosts, with a token; ended with the hosts (TwoHosts.close)."""
+
+    def __init__(self, hosts: TwoHosts, log_dir: Path):
+        self.hosts = hosts
+        self.head = f"{hosts.addresses[0]}:6379"
+        self.env = {
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": secrets.token_hex(16),
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+        # Ray's files of its own (not the machine's /tmp/ray, which other clusters may use); short,
+        # as its Unix socket paths must stay under 108 bytes.
+        self.temp_dirs = [tempfile.mkdtemp(prefix="wbray", dir="/tmp") for _ in range(2)]
+        ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", "--num-cpus=1"]
+        self._start(
+            0,
+            [
+                *ray,
+                "--head",
+                f"--node-ip-address={hosts.addresses[0]}",
+                "--port=6379",
+                "--include-dashboard=false",
+                f"--temp-dir={self.temp_dirs[0]}",
+            ],
+            log_dir / "ray-head.log",
+        )
+        self._start(
+            1,
+            [
+                *ray,
+                f"--address={self.head}",
+                f"--node-ip-address={hosts.addresses[1]}",
+                f"--temp-dir={self.temp_dirs[1]}",
+            ],
+            log_dir / "ray-node.log",
+        )
+
+    def _start(self, host: int, argv: list[str], log_path: Path) -> None:
+        with open(log_path, "w") as log:
+            done = self.hosts.popen(host, argv, self.env, log)
+            code = done.wait(timeout=120)
+        assert code == 0, f"`ray start` failed on host {host}:\n{log_path.read_text()[-3000:]}"
+
+    def close(self) -> None:
+        import shutil
+
+        for folder in self.temp_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    hosts = TwoHosts()
+    nodes = None
+    try:
+        nodes = RayNodes(hosts, tmp_path)
+        yield hosts, nodes
+    finally:
+        hosts.close()  # every process of both namespaces, by pid: Ray's daemons and actors
+        if nodes is not None:
+            nodes.close()
+
+
+def _pid_in(hosts: TwoHosts, pid: int) -> bool:
+    return pid in hosts.pids()
+
+
+def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_link(two_nodes, tmp_path):
+    hosts, nodes = two_nodes
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    cell = PROCESS_CELL.replace("keras.layers.Dense(1)", "keras.layers.Dense(1, kernel_initializer='zeros')")
+    log = open(tmp_path / "driver.err", "w")
+    driver = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(script), cell, nodes.head],
+        env={**os.environ, **nodes.env, "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        lines = {}
+
+        def read_until(tag: str, timeout: float) -> dict:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                line = driver.stdout.readline()
+                if not line:
+                    break
+                kind, _, data = line.partition(" ")
+                if kind in ("RESULT", "TRAINING", "CUT"):
+                    lines[kind] = json.loads(data)
+                    if kind == tag:
+                        return lines[kind]
+            raise AssertionError(
+                f"the driver never said {tag}; its stderr:\n{(tmp_path / 'driver.err').read_text()[-4000:]}"
+            )
+
+        result = read_until("RESULT", 400)
+        assert sorted(result["nodes"]) == sorted(hosts.addresses), result
+        assert result["status"] == "finished" and result["rows"] == 30, result
+        # spread: one worker on each node
+        assert sorted(p["node"] for p in result["processes"]) == sorted(hosts.addresses), result["processes"]
+        assert result["max_difference"] < 1e-5, result
+
+        training = read_until("TRAINING", 300)
+        hosts.cut()
+        driver.stdin.write("cut\n")
+        driver.stdin.flush()
+        cut = read_until("CUT", 120)
+        assert cut["status"] == "failed", cut
+        assert cut["error"] and "multi-worker run failed" in cut["error"], cut
+        assert "worker" in cut["error"] and ("node 10." in cut["error"]), cut["error"]
+        assert cut["seconds"] < 30, cut
+        assert driver.wait(timeout=60) == 0, (tmp_path / "driver.err").read_text()[-3000:]
+
+        # Nothing of the run is left on either node: its actors end (on the far node once its
+        # raylet gives up on the head it cannot reach).
+        actors = [p["pid"] for p in training["processes"]]
+        deadline = time.monotonic() + 120
+        while any(_pid_in(hosts, pid) for pid in actors) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [pid for pid in actors if _pid_in(hosts, pid)]
+        assert not left, f"actors of the run still alive: {left}"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        log.close()

@@ -1,0 +1,187 @@
+"""wb.RayCluster: where a process backend's pool runs when it is placed on a Ray cluster.
+
+    ray_cluster = wb.RayCluster(address="auto", resources_per_worker={"CPU": 2}, placement="spread")
+    repl = wb.MultiWorkerReplicator(num_workers=4, cluster=ray_cluster)
+
+A RayCluster only describes: it connects (ray.init) when a pool is first placed on it, and the
+pool (launch/ray_pool.py) makes the placement group and the actors. Ray is an optional extra
+(`pip install -e ".[ray]"`), imported here only when a cluster is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from workbench._src.core.errors import ConfigurationError
+
+PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
+# A local Ray instance (address=None) stands for this machine: it holds as many processes as the
+# local launcher would start (Ray's CPUs are scheduling units, not cores).
+LOCAL_CPUS = 8
+_NOT_BY_US = object()
+_connected_to = _NOT_BY_US  # the address this process's ray.init was given by a RayCluster
+RAY_EXTRA_FIX = 'Fix: pip install -e ".[ray]" (Ray 2.60) on this machine and on every node.'
+
+
+class RayCluster:
+    """A Ray cluster to place a process backend's workers, parameter servers and coordinator on.
+
+    Args:
+      address: "auto" (the cluster this machine belongs to: `ray start` ran here), "ray://HOST:10001"
+        (Ray Client), "HOST:6379" (a head node's GCS), or None: start a local Ray instance owned by
+        this process (ended with it), with at least 8 logical CPUs, as many processes as the local
+        launcher would start.
+      resources_per_worker: the Ray resources of each process of the pool (a bundle of the
+        placement group), e.g. {"CPU": 2, "GPU": 1}.
+      placement: "spread", one process per node (Ray's STRICT_SPREAD: the cluster needs as many
+        nodes as processes); or "pack", fill nodes (PACK).
+      runtime_env: a Ray runtime_env for the actors (e.g. {"pip": [...]}), when the nodes lack a
+        package the cells use. The workbench itself must be installed on every node.
+
+    Example:
+      >>> import workbench as wb
+      >>> wb.RayCluster(address="auto", resources_per_worker={"CPU": 2}, placement="pack")
+      RayCluster(address='auto', resources_per_worker={'CPU': 2}, placement='pack')
+    """
+
+    def __init__(
+        self,
+        address: str | None = "auto",
+        resources_per_worker: dict | None = None,
+        placement: str = "spread",
+        runtime_env: dict | None = None,
+    ):
+        if address is not None and (not isinstance(address, str) or not address.strip()):
+            raise ConfigurationError(
+                f"RayCluster(address=...) takes 'auto', 'ray://HOST:10001', 'HOST:6379' or None (start a "
+                f"local Ray instance); received {address!r}."
+            )
+        if placement not in PLACEMENTS:
+            raise ConfigurationError(
+                f"RayCluster(placement=...) is 'spread' (one process per node) or 'pack' (fill nodes); "
+                f"received {placement!r}."
+            )
+        resources = dict(resources_per_worker or {"CPU": 1})
+        for name, amount in resources.items():
+            if (
+                not isinstance(name, str)
+                or isinstance(amount, bool)
+                or not isinstance(amount, (int, float))
+                or amount < 0
+            ):
+                raise ConfigurationError(
+                    "RayCluster(resources_per_worker=...) maps Ray resource names to amounts, e.g. "
+                    f"{{'CPU': 2, 'GPU': 1}}; received {resources_per_worker!r}."
+                )
+        self.address = address.strip() if isinstance(address, str) else None
+        self.resources_per_worker = resources
+        self.placement = placement
+        self.runtime_env = runtime_env
+
+    @classmethod
+    def from_option(cls, text: str) -> RayCluster:
+        """`--cluster ray` (the cluster this machine belongs to), `--cluster ray=ADDRESS`, or
+        `--cluster ray=local` (a local Ray instance, processes packed on it): the magic's and the
+        CLI's form. Other settings (resources, placement) need a wb.RayCluster."""
+        name, _, address = text.partition("=")
+        if name.strip() != "ray":
+            raise ConfigurationError(
+                f"--cluster takes ray, ray=ADDRESS (e.g. ray=ray://head:10001) or ray=local; received {text!r}."
+            )
+        address = address.strip() or "auto"
+        if address == "local":  # one node: "spread" could place one process only
+            return cls(address=None, placement="pack")
+        return cls(address=address)
+
+    # ----- identity: a warm pool is kept for plans on the same cluster ------------------------------
+    def key(self) -> tuple:
+        return (
+            self.address,
+            tuple(sorted(self.resources_per_worker.items())),
+            self.placement,
+            repr(self.runtime_env),
+        )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RayCluster) and other.key() == self.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+    def __repr__(self) -> str:
+        return (
+            f"RayCluster(address={self.address!r}, resources_per_worker={self.resources_per_worker!r}, "
+            f"placement={self.placement!r})"
+        )
+
+    # ----- the connection ------------------------------------------------------------------------
+    def connect(self):
+        """ray, initialized for this cluster (once per process); a clear error when it cannot be."""
+        global _connected_to
+        ray = import_ray()
+        if ray.is_initialized():
+            if _connected_to is not _NOT_BY_US and _connected_to != self.address:
+                raise ConfigurationError(
+                    f"This process is connected to the Ray cluster at address={_connected_to!r}; a process "
+                    f"talks to one Ray cluster, and this RayCluster names address={self.address!r}. Fix: "
+                    "use the same address, or restart the kernel to switch clusters."
+                )
+            return ray
+        try:
+            local = {"num_cpus": max(os.cpu_count() or 1, LOCAL_CPUS)} if self.address is None else {}
+            ray.init(
+                address=self.address,
+                **local,
+                runtime_env=self.runtime_env,
+                logging_level=logging.ERROR,  # (not Ray's start-up lines, red in a notebook)
+                log_to_driver=False,  # the actors' output stays in Ray's logs; errors come as messages
+                include_dashboard=False if self.address is None else None,
+                configure_logging=True,
+            )
+        except ConnectionError as error:
+            raise ConfigurationError(
+                f"No Ray cluster answers at address={self.address!r}: {error}. Fix: start one "
+                "(`ray start --head` on the head node, `ray start --address=HEAD:6379` on the others), "
+                "pass its address, or RayCluster(address=None) for a local Ray instance."
+            ) from None
+        _connected_to = self.address
+        return ray
+
+    def nodes(self) -> list[dict]:
+        """The cluster's live nodes: address, CPUs and GPUs, and which is the head (the panel)."""
+        ray = self.connect()
+        return [
+            {
+                "address": node["NodeManagerAddress"],
+                "cpus": node.get("Resources", {}).get("CPU", 0),
+                "gpus": node.get("Resources", {}).get("GPU", 0),
+                "head": "node:__internal_head__" in node.get("Resources", {}),
+            }
+            for node in ray.nodes()
+            if node.get("Alive")
+        ]
+
+    def describe(self) -> str:
+        """One line: the cluster's nodes and what it has free."""
+        ray = self.connect()
+        nodes = self.nodes()
+        free = ray.available_resources()
+        total = ray.cluster_resources()
+        return (
+            f"Ray cluster at {self.address or 'a local instance'}: {len(nodes)} node(s) "
+            f"({', '.join(n['address'] for n in nodes)}), CPU {free.get('CPU', 0):g} free of "
+            f"{total.get('CPU', 0):g}, GPU {free.get('GPU', 0):g} free of {total.get('GPU', 0):g}"
+        )
+
+
+def import_ray():
+    """Ray, or a ConfigurationError saying how to install it (an optional extra)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network call home from a notebook
+    try:
+        import ray
+    except ImportError:
+        raise ConfigurationError(
+            f"Placing workers on a Ray cluster needs Ray, which is not installed. {RAY_EXTRA_FIX}"
+        ) from None
+    return ray

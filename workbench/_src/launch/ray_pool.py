@@ -1,0 +1,372 @@
+"""A warm pool placed on a Ray cluster (`cluster=wb.RayCluster(...)`): the same surface as
+launch/pool.py's Pool (tasks, channel, group, start, send_work, processes, dead_member, drain,
+stop, describe), so the launcher, the run loop, the dashboard, the sidebar and the run store do
+not know where the processes are.
+
+  1. One placement group with a bundle (`resources_per_worker`) per process: "spread" is Ray's
+     STRICT_SPREAD (one process per node), "pack" is PACK. One that cannot be met within
+     `startup_timeout` is removed and reported with what the cluster has.
+  2. One actor per process (launch/ray_member.py) in its bundle. Each says its node's address,
+     its pid and a port free on its node; the backend's plan forms TF_CONFIG from those
+     (`plan.ray_layout()`, `plan.tasks_on(addresses)`).
+  3. The members that run work (multi-worker's workers, async-ps's coordinator) run
+     worker_main.serve as a local member does; async-ps's parameter servers and workers run a
+     TensorFlow server. Messages go by actor calls: `deliver` one way, a long `poll` the other,
+     one thread per member here (a daemon: it never holds the interpreter).
+  4. A member whose actor dies (its process killed, its node gone) is seen by its poll failing;
+     a frozen one by its heartbeats stopping. The launcher's fault handling then applies as for
+     local processes; an async-ps worker server may die (the run goes on, said once).
+  5. stop(): "shutdown" to every member, each removes its temp folder, then every actor is
+     killed and the placement group removed. Actors are owned by this process: Ray ends them
+     with it too (the kernel killed, the interpreter exiting).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import queue
+import threading
+import time
+
+from workbench._src.core.errors import ConfigurationError, WorkerError
+from workbench._src.launch.ray_cluster import PLACEMENTS
+
+MEMBER_MODULE = "workbench._src.launch.ray_member"  # named, as worker_main is: it runs over there
+POLL_SECONDS = 1.0
+ORPHAN_SECONDS = 30.0  # a member unpolled this long (or 3 heartbeat timeouts) leaves on its own
+SEND_TIMEOUT = 5.0
+
+
+class RayMember:
+    """One actor of the pool, as the launcher sees a local child."""
+
+    def __init__(self, role: str, index: int, actor, where: dict, may_die: bool = False):
+        self.role, self.index, self.actor = role, index, actor
+        self.pid, self.node, self.port = where["pid"], where["address"], where["port"]
+        self.may_die = may_die  # an async-ps worker server: the run goes on without it
+        self.expected_exit = False
+        self.dead = False
+        self.death = ""
+        self.exited = False  # it left its serve loop (shutdown)
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.index} ({self.where})"
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid} on node {self.node}"
+
+    @property
+    def killed(self) -> bool:
+        return self.dead
+
+    def exit_description(self) -> str:
+        if not self.dead:
+            return "still running"
+        return f"died: its Ray actor ended ({self.death})" if self.death else "died: its Ray actor ended"
+
+    def log_tail(self, lines: int = 15) -> str:
+        return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
+
+
+class RayMembers:
+    """The pool's actors, with the process group's questions (launcher._Watch asks them)."""
+
+    def __init__(self, members: list[RayMember]):
+        self.children = members
+
+    def unexpected_exits(self) -> list[RayMember]:
+        return [m for m in self.children if m.dead and not m.expected_exit and not m.may_die]
+
+    def alive(self) -> list[RayMember]:
+        return [m for m in self.children if not m.dead and not m.exited]
+
+    def pids(self) -> list[int]:
+        return [m.pid for m in self.children]
+
+
+class RayChannel:
+    """Messages to and from the members by actor calls, queued as Channel queues them."""
+
+    def __init__(self, ray, members: RayMembers, working: set[str], report_to: str):
+        self.ray = ray
+        self.members = {f"{m.role}:{m.index}": m for m in members.children}
+        self.working = working  # the members that run work (a TF server member takes no messages)
+        self.messages: queue.Queue = queue.Queue()  # (task, message dict)
+        self.report_to = report_to  # the task whose run hears of a lost async-ps worker
+        self._closed = False
+        for task, member in self.members.items():
+            threading.Thread(
+                target=self._poll_loop, args=(task, member), name="workbench ray poll", daemon=True
+            ).start()
+
+    def _poll_loop(self, task: str, member: RayMember) -> None:
+        ray = self.ray
+        while not self._closed:
+            try:
+                said = ray.get(member.actor.poll.remote(POLL_SECONDS))
+            except Exception as error:  # noqa: BLE001 - RayActorError and kin: the actor is gone
+                if self._closed or member.exited:
+                    return
+                member.dead, member.death = True, _death_reason(error, member)
+                if member.may_die:
+                    text = (
+                        f"async-ps worker {member.index} ({member.where}) {member.exit_description()}; "
+                        "the coordinator runs its unfinished steps on the other workers"
+                    )
+                    self.messages.put(
+                        (
+                            self.report_to,
+                            {
+                                "type": "event",
+                                "kind": "message",
+                                "data": {"text": text, "worker_lost": member.index},
+                            },
+                        )
+                    )
+                else:
+                    self.messages.put((task, {"type": "disconnected"}))
+                return
+            for message in said:
+                if message.get("type") == "exited":
+                    member.exited = True
+                else:
+                    self.messages.put((task, message))
+
+    def send(self, task: str, message: dict, timeout: float = SEND_TIMEOUT) -> bool:
+        member = self.members.get(task)
+        if member is None or member.dead:
+            return False
+        try:  # waited for: messages to one member arrive in the order sent
+            self.ray.get(member.actor.deliver.remote(message), timeout=timeout)
+            return True
+        except Exception:  # noqa: BLE001 - a dead or frozen member; its poll says so
+            return False
+
+    def broadcast(self, message: dict, timeout: float = SEND_TIMEOUT) -> None:
+        for task in self.working:
+            self.send(task, message, timeout)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class RayPool:
+    """The processes of one launch plan as Ray actors on `plan.ray`, reused while healthy."""
+
+    def __init__(self, backend: str, plan, keep: bool = True):
+        self.backend = backend
+        self.shape = plan.shape()
+        self.keep = keep
+        self.idle_timeout = plan.idle_timeout
+        self.cluster = plan.ray
+        self.extra: list[dict] = []
+        self.runs = 0
+        self.state = "busy"
+        self.idle_since: float | None = None
+        self.started_at = time.time()
+        self._timer: threading.Timer | None = None
+        self.ray = ray = self.cluster.connect()
+        _stop_at_exit(self)
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._remove_placement_group = remove_placement_group
+        layout = plan.ray_layout()  # [(role, index)] of every process, the chief first
+        bundle = dict(self.cluster.resources_per_worker)
+        self.placement_group = placement_group(
+            [bundle] * len(layout), strategy=PLACEMENTS[self.cluster.placement]
+        )
+        actors = []
+        try:
+            self._wait_for_placement(plan, len(layout), bundle)
+            member_class = ray.remote(importlib.import_module(MEMBER_MODULE).Member)
+            for i, (role, index) in enumerate(layout):
+                actors.append(
+                    member_class.options(
+                        num_cpus=bundle.get("CPU", 0),
+                        num_gpus=bundle.get("GPU", 0),
+                        resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                        max_concurrency=4,  # poll, deliver and clean_up while the member works
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=self.placement_group, placement_group_bundle_index=i
+                        ),
+                        runtime_env=self.cluster.runtime_env,
+                    ).remote(role, index, orphan_timeout=max(ORPHAN_SECONDS, 3 * plan.heartbeat_timeout))
+                )
+            try:
+                wheres = ray.get([a.where.remote() for a in actors], timeout=plan.startup_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerError(
+                    f"the {backend} pool's {len(actors)} Ray actors did not start within "
+                    f"startup_timeout={plan.startup_timeout:.0f} s. Fix: a busy cluster needs a longer "
+                    "startup_timeout; `ray status` shows what it is doing."
+                ) from None
+        except BaseException:
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+            raise
+        addresses = {key: f"{w['address']}:{w['port']}" for key, w in zip(layout, wheres)}
+        self.tasks = plan.tasks_on(addresses)  # the members that run work (launcher.Task)
+        working = {t.name for t in self.tasks}
+        self.servers = plan.servers_on(addresses)  # {(role, index): cluster spec} of TF servers
+        members = [
+            RayMember(role, index, actor, where, may_die=plan.server_may_die(role))
+            for (role, index), actor, where in zip(layout, actors, wheres)
+        ]
+        self.threads = getattr(plan, "threads_per_server", None)
+        self.group = RayMembers(members)
+        self.channel = RayChannel(ray, self.group, working, report_to=self.tasks[0].name)
+
+    def _wait_for_placement(self, plan, count: int, bundle: dict) -> None:
+        """Waits for the placement group (other jobs may hold the resources for a while); one
+        that the cluster could not meet even when idle fails at once."""
+        ray = self.ray
+        never = not self._could_ever_fit(count, bundle)
+        if not never:
+            try:
+                ray.get(self.placement_group.ready(), timeout=plan.startup_timeout)
+                return
+            except ray.exceptions.GetTimeoutError:
+                pass
+        nodes = self.cluster.nodes()
+        have = ", ".join(f"{n['address']} (CPU {n['cpus']:g}, GPU {n['gpus']:g})" for n in nodes)
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        spread = self.cluster.placement == "spread"
+        why = (
+            "even idle, its nodes could not hold them"
+            if never
+            else f"they were not free within startup_timeout={plan.startup_timeout:.0f} s (other jobs hold them)"
+        )
+        raise ConfigurationError(
+            f"The Ray cluster cannot place this {self.backend} pool: {count} processes of {bundle} "
+            f"each, placement={self.cluster.placement!r}{' (one per node)' if spread else ''}; {why}. "
+            f"It has {len(nodes)} node(s): {have}; free now: {free}. Fix: fewer workers, smaller "
+            f"resources_per_worker{', placement=pack' if spread else ''}, or more nodes."
+        )
+
+    def _could_ever_fit(self, count: int, bundle: dict) -> bool:
+        """Whether the cluster's live nodes, all free, could hold `count` bundles as placed. Only
+        the nodes that exist count: nodes an autoscaler would add on demand are not waited for."""
+        nodes = [n.get("Resources", {}) for n in self.ray.nodes() if n.get("Alive")]
+        fits = [all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes]
+        if self.cluster.placement == "spread":
+            return sum(fits) >= count
+        totals = {k: sum(node.get(k, 0) for node in nodes) for k in bundle}
+        return all(totals[k] >= v * count for k, v in bundle.items())
+
+    # ----- what the launcher uses -------------------------------------------------------------
+    @property
+    def fresh(self) -> bool:
+        return self.runs == 0
+
+    def start(self) -> None:
+        """TF servers first (async-ps), then every working member, none waiting for another."""
+        members = {(m.role, m.index): m for m in self.group.children}
+        for key, cluster in self.servers.items():
+            members[key].actor.serve_tf.remote(cluster, self.threads)
+        for task in self.tasks:
+            members[(task.role, task.index)].actor.start.remote(task.env)
+
+    def send_work(self, payload: bytes, number: int) -> None:
+        for member in self.group.children:
+            member.expected_exit = False  # it was set by the last run's results
+        for task in self.tasks:
+            self.channel.send(task.name, {"type": "work", "payload": payload, "run": number})
+
+    @property
+    def processes(self) -> list[dict]:
+        """Role, index, node address and pid of every process of the pool."""
+        return [{"role": m.role, "index": m.index, "node": m.node, "pid": m.pid} for m in self.group.children]
+
+    def dead_member(self) -> str:
+        for member in self.group.children:
+            if member.dead:
+                return f"{member.role} {member.index} ({member.where}) {member.exit_description()}"
+        return ""
+
+    def drain(self) -> str:
+        problem = ""
+        while True:
+            try:
+                task, message = self.channel.messages.get_nowait()
+            except queue.Empty:
+                return self.dead_member() or problem
+            if message.get("type") in ("disconnected", "error"):
+                problem = problem or f"{task.replace(':', ' ')} disconnected"
+
+    # ----- ending ------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Asks every member to leave, removes their temp folders, kills every actor and removes
+        the placement group: nothing of the pool is left on any node."""
+        if self._timer is not None:
+            self._timer.cancel()
+        ray = self.ray
+        _live.discard(self)
+        if not ray.is_initialized():
+            return  # Ray was shut down first: it ended the actors it owned
+        for member in self.group.children:
+            member.expected_exit = True
+        self.channel.broadcast({"type": "shutdown"}, timeout=1.0)  # (a cut-off member cannot answer)
+        deadline = time.monotonic() + 2.0  # a clean exit removes its own temp folder
+        working = [m for m in self.group.children if f"{m.role}:{m.index}" in self.channel.working]
+        while any(not (m.exited or m.dead) for m in working) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cleaning = [m.actor.clean_up.remote() for m in self.group.children if not m.dead]
+        with contextlib.suppress(Exception):
+            ray.wait(cleaning, num_returns=len(cleaning), timeout=2.0)
+        self.channel.close()
+        for member in self.group.children:
+            with contextlib.suppress(Exception):
+                ray.kill(member.actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            self._remove_placement_group(self.placement_group)
+
+    def describe(self) -> dict:
+        idle = time.time() - self.idle_since if self.state == "idle" and self.idle_since else 0.0
+        workers = [m for m in self.group.children if m.role == "worker"]
+        return {
+            "backend": self.backend,
+            "workers": len(workers),
+            "processes": len(self.group.children),
+            "state": self.state,
+            "runs": self.runs,
+            "idle_seconds": idle,
+            "idle_timeout": self.idle_timeout,
+            "placement": f"Ray ({self.cluster.placement}): "
+            + ", ".join(sorted({m.node for m in self.group.children})),
+        }
+
+
+_live: set = set()  # pools not stopped yet
+_exit_hook_registered = False
+
+
+def _stop_at_exit(pool: RayPool) -> None:
+    """Stops the pool at interpreter exit, *before* Ray's own exit hook shuts Ray down (atexit runs
+    hooks last-registered first, and this one is registered after Ray was imported): talking to
+    a Ray that has shut down can crash the interpreter."""
+    global _exit_hook_registered
+    _live.add(pool)
+    if not _exit_hook_registered:
+        atexit.register(_stop_all)
+        _exit_hook_registered = True
+
+
+def _stop_all() -> None:
+    for pool in list(_live):
+        with contextlib.suppress(Exception):
+            pool.stop()
+
+
+def _death_reason(error: Exception, member: RayMember) -> str:
+    """A short reason from Ray's error (its first line), e.g. the node that died."""
+    text = str(error).strip().splitlines()
+    first = next((line for line in text if line.strip()), type(error).__name__)
+    return first[:200]
