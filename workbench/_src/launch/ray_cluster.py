@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 
 from workbench._src.core.errors import ConfigurationError
 
@@ -128,6 +130,12 @@ class RayCluster:
                     "use the same address, or restart the kernel to switch clusters."
                 )
             return ray
+        # Ray's driver answers SIGTERM with a stack trace on stderr (its C++ failure handler) and
+        # a slow teardown; a kernel being shut down gets SIGTERM when its exit takes more than a
+        # few seconds. Keep this process's own SIGTERM behaviour: Ray ends what it started anyway
+        # (its reaper for a local instance; the cluster, for the actors of a driver that died).
+        main_thread = threading.current_thread() is threading.main_thread()
+        sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
         try:
             local = {"num_cpus": max(os.cpu_count() or 1, LOCAL_CPUS)} if self.address is None else {}
             ray.init(
@@ -145,6 +153,9 @@ class RayCluster:
                 "(`ray start --head` on the head node, `ray start --address=HEAD:6379` on the others), "
                 "pass its address, or RayCluster(address=None) for a local Ray instance."
             ) from None
+        finally:
+            if main_thread and sigterm is not None:
+                signal.signal(signal.SIGTERM, sigterm)
         _connected_to = self.address
         return ray
 

@@ -302,9 +302,10 @@ class RayPool:
                 problem = problem or f"{task.replace(':', ' ')} disconnected"
 
     # ----- ending ------------------------------------------------------------------------------
-    def stop(self) -> None:
+    def stop(self, grace: float = 2.0) -> None:
         """Asks every member to leave, removes their temp folders, kills every actor and removes
-        the placement group: nothing of the pool is left on any node."""
+        the placement group: nothing of the pool is left on any node. `grace`: seconds for the
+        members to leave and clean up (shorter at interpreter exit, which must not linger)."""
         if self._timer is not None:
             self._timer.cancel()
         ray = self.ray
@@ -313,14 +314,14 @@ class RayPool:
             return  # Ray was shut down first: it ended the actors it owned
         for member in self.group.children:
             member.expected_exit = True
-        self.channel.broadcast({"type": "shutdown"}, timeout=1.0)  # (a cut-off member cannot answer)
-        deadline = time.monotonic() + 2.0  # a clean exit removes its own temp folder
+        self.channel.broadcast({"type": "shutdown"}, timeout=grace / 2)  # (a cut-off member cannot answer)
+        deadline = time.monotonic() + grace  # a clean exit removes its own temp folder
         working = [m for m in self.group.children if f"{m.role}:{m.index}" in self.channel.working]
         while any(not (m.exited or m.dead) for m in working) and time.monotonic() < deadline:
             time.sleep(0.05)
         cleaning = [m.actor.clean_up.remote() for m in self.group.children if not m.dead]
         with contextlib.suppress(Exception):
-            ray.wait(cleaning, num_returns=len(cleaning), timeout=2.0)
+            ray.wait(cleaning, num_returns=len(cleaning), timeout=grace)
         self.channel.close()
         for member in self.group.children:
             with contextlib.suppress(Exception):
@@ -362,7 +363,7 @@ def _stop_at_exit(pool: RayPool) -> None:
 def _stop_all() -> None:
     for pool in list(_live):
         with contextlib.suppress(Exception):
-            pool.stop()
+            pool.stop(grace=0.5)
 
 
 def _death_reason(error: Exception, member: RayMember) -> str:
