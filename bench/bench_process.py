@@ -1,6 +1,7 @@
 """Process backends on the digits MLP: weak scaling of multi-worker, async-ps 1 vs 2 workers.
 
 Run: python bench/bench_process.py [--steps 3000] [--batch 64] [--threads 1]
+     python bench/bench_process.py --cluster ray=local   (Ray-placed vs the local launcher)
 
 Each configuration trains the same MLP 64-128-128-10 (per-worker batch `--batch`, weak scaling:
 the global batch grows with the workers) from a fresh local cluster on 127.0.0.1. Every worker
@@ -191,7 +192,7 @@ def hand_ps_server(args) -> None:
     _limit_threads(args.threads)  # as the workbench's server_main does
     import tensorflow as tf
 
-    spec = tf.train.ClusterSpec(json.loads(args.cluster))
+    spec = tf.train.ClusterSpec(json.loads(args.hand_cluster))
     server = tf.distribute.Server(spec, job_name=args.job, task_index=args.index, protocol="grpc", start=True)
     server.join()
 
@@ -202,7 +203,7 @@ def hand_ps_coordinator(args) -> None:
     import keras
     import tensorflow as tf
 
-    cluster = json.loads(args.cluster)
+    cluster = json.loads(args.hand_cluster)
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
     )
@@ -318,9 +319,9 @@ def hand_ps(args, workers: int = 2, num_ps: int = 1) -> dict:
     try:
         for job, count in (("worker", workers), ("ps", num_ps)):
             for i in range(count):
-                role = ["--hand-role", "ps-server", "--job", job, "--index", str(i), "--cluster", spec]
+                role = ["--hand-role", "ps-server", "--job", job, "--index", str(i), "--hand-cluster", spec]
                 servers.append(_spawn(role, {}, args))
-        coordinator = _spawn(["--hand-role", "ps-coordinator", "--cluster", spec], {}, args)
+        coordinator = _spawn(["--hand-role", "ps-coordinator", "--hand-cluster", spec], {}, args)
         servers.append(coordinator)
         return _result(coordinator, timeout=600)
     finally:
@@ -338,7 +339,13 @@ def main():
     parser.add_argument("--hand-role", choices=["mwms-worker", "ps-server", "ps-coordinator"])
     parser.add_argument("--job")
     parser.add_argument("--index", type=int)
-    parser.add_argument("--cluster")
+    parser.add_argument("--hand-cluster")
+    parser.add_argument(
+        "--cluster",
+        metavar="ray[=ADDRESS]",
+        help="compare Ray-placed pools with the local launcher: ray (the cluster this machine "
+        "joined), ray=ADDRESS, or ray=local (a Ray instance of this process)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     roles = {
@@ -366,6 +373,9 @@ def main():
     print(
         f"machine: {os.cpu_count()} cores; {args.threads} TF thread(s) per process; per-worker batch {args.batch}"
     )
+    if args.cluster:
+        compare_on_ray(args, setup, wb)
+        return
 
     rows = []
     single = timed_train(wb.NonReplicator(), setup, args.steps, in_process=True)
@@ -398,6 +408,39 @@ def main():
     )
     workbench_2 = {name: r["steps_per_sec"] for name, w, r in rows if w == 2}
     print_hand_anchors(args, workbench_2)
+
+
+def compare_on_ray(args, setup, wb) -> None:
+    """--cluster ray[=ADDRESS]: each process backend at 2 workers, its pool started by the local
+    launcher and then placed on Ray, in this one invocation. Per row: steady steps/s, the cold
+    start (train() called -> first step) and a warm re-run's start (the pool kept)."""
+    ray_cluster = wb.RayCluster.from_option(args.cluster)
+    backends = {
+        "multi-worker": lambda cluster: wb.MultiWorkerReplicator(
+            num_workers=2, threads_per_worker=args.threads, cluster=cluster
+        ),
+        "async-ps": lambda cluster: wb.MultiWorkerAsyncReplicator(
+            num_workers=2, num_ps=1, threads_per_server=args.threads, cluster=cluster
+        ),
+    }
+    print(f"{'backend':14} {'placed':7} {'steps/s':>9} {'cold start s':>12} {'warm start s':>12}")
+    for name, make in backends.items():
+        measured = {}
+        for placed, cluster in (("local", None), ("ray", ray_cluster)):
+            repl = make(cluster)
+            try:
+                cold = timed_train(repl, setup, args.steps, in_process=False)
+                warm = timed_train(repl, setup, max(args.steps // 5, 100), in_process=False)
+            finally:
+                repl.shutdown()
+            measured[placed] = cold
+            print(
+                f"{name:14} {placed:7} {cold['steps_per_sec']:>9.1f} {cold['startup_s']:>12.1f} "
+                f"{warm['startup_s']:>12.1f}",
+                flush=True,
+            )
+        ratio = measured["ray"]["steps_per_sec"] / measured["local"]["steps_per_sec"]
+        print(f"{name:14} Ray-placed / local launcher steps/s: {ratio:.2f} (goal >= 0.95)", flush=True)
 
 
 def print_hand_anchors(args, workbench: dict) -> None:

@@ -23,7 +23,6 @@ import workbench as wb
 from workbench._src.notebook import session
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 # The cell of the process tests, started from the same weights wherever it runs.
 SAME_START_CELL = PROCESS_CELL.replace(
@@ -62,6 +61,7 @@ def _placement_groups_alive() -> list[str]:
     return [pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"]
 
 
+@pytest.mark.slow
 def test_sync_run_on_ray_equals_the_local_launcher_and_leaves_nothing_after_shutdown(ray_cluster):
     ns_local, ns_ray = {}, {}
     local = wb.MultiWorkerReplicator(num_workers=2)
@@ -89,6 +89,7 @@ def test_sync_run_on_ray_equals_the_local_launcher_and_leaves_nothing_after_shut
     assert _placement_groups_alive() == []
 
 
+@pytest.mark.slow
 def test_async_ps_on_ray_trains_with_one_row_per_step(ray_cluster):
     repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
     try:
@@ -103,6 +104,7 @@ def test_async_ps_on_ray_trains_with_one_row_per_step(ray_cluster):
         repl.shutdown()
 
 
+@pytest.mark.slow
 def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ray_cluster):
     repl = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster)
     try:
@@ -124,6 +126,7 @@ def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ra
     assert _placement_groups_alive() == []
 
 
+@pytest.mark.slow
 def test_a_placement_the_cluster_cannot_meet_is_a_clear_error_within_startup_timeout(ray_cluster):
     impossible = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5, "GPU": 1}, placement="spread")
     repl = wb.MultiWorkerReplicator(num_workers=4, cluster=impossible, startup_timeout=5)
@@ -150,6 +153,7 @@ def test_bad_ray_cluster_options_say_what_was_wrong():
     assert wb.RayCluster.from_option("ray=ray://head:10001").address == "ray://head:10001"
 
 
+@pytest.mark.slow
 def test_workbench_run_places_the_workers_on_ray_from_the_command_line(tmp_path):
     env = dict(os.environ, WORKBENCH_RUNS_DIR=str(tmp_path / "runs"))
     done = subprocess.run(
@@ -177,3 +181,44 @@ def test_workbench_run_places_the_workers_on_ray_from_the_command_line(tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "step 20" in done.stdout or "20/20" in done.stdout, done.stdout[-2000:]
     assert done.stderr.strip() == "", done.stderr[-3000:]  # neither Ray's nor TensorFlow's start-up lines
+
+
+@pytest.mark.slow
+def test_a_killed_async_worker_actor_lets_training_go_on(ray_cluster):
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
+    try:
+        run = repl.train(setup=regression_setup, steps=4000, background=True)
+        wait_for_steps(run, 50)
+        victim = next(p for p in run.processes if p["role"] == "worker" and p["index"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        run.wait(timeout=300)
+        assert run.status == "finished", run.stop_reason
+        assert len(run.history) == 4000
+        said = [e.data.get("text", "") for e in run.events if e.kind == "message"]
+        assert any("worker 1" in t and victim["node"] in t and "other workers" in t for t in said), said
+    finally:
+        repl.shutdown()
+    assert _placement_groups_alive() == []
+
+
+@pytest.mark.slow
+def test_the_panel_places_workers_on_ray_and_shows_the_cluster(ray_cluster, tmp_path):
+    import traitlets
+    from notebook_toy import isolated_notebook_state
+
+    with isolated_notebook_state(tmp_path / "runs"):
+        panel = wb.ui.panel(namespace={})
+        try:
+            panel.backend = "multi-worker"
+            assert not panel._cluster.disabled
+            panel.cluster = "ray=local"
+            assert session.current().describe()["cluster"] == "ray:local (pack)"
+            assert "--cluster ray=local" in panel.magic_line
+            assert "1 node(s)" in panel.cluster_text and "CPU 8" in panel.cluster_text, panel.cluster_text
+            with pytest.raises(traitlets.TraitError, match="--cluster takes ray"):
+                panel.cluster = "kubernetes"
+            panel.backend = "mirrored"  # no worker processes to place
+            assert panel._cluster.disabled and "--cluster" not in panel.magic_line
+            assert panel.cluster_text == ""
+        finally:
+            panel.close()
