@@ -38,7 +38,10 @@ def toy():
 
 
 def test_import_workbench_stays_light():
-    code = "import sys, workbench; print(sorted({'tensorflow', 'matplotlib', 'ipywidgets', 'pandas', 'IPython'} & set(sys.modules)))"
+    code = (
+        "import sys, workbench; workbench.RayCluster(address='auto'); "
+        "print(sorted({'tensorflow', 'matplotlib', 'ipywidgets', 'pandas', 'IPython', 'ray'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
 
