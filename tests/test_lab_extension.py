@@ -291,16 +291,22 @@ def _step(run_row) -> int:
     return int(re.search(r"step ([\d,]+)", text).group(1).replace(",", ""))
 
 
-def _run_cell(page, index: int) -> None:
+def _run_cell(page, index: int, notebook: str | None = None) -> None:
     """Selects cell `index` (command mode) and runs it with Shift+Enter, as a person does; makes
     sure it started ([*] or its count in the prompt). A page still settling (just opened, a side
     panel just toggled) can swallow the first key press: then it is pressed again, as a person
-    would, at most three times."""
+    would, at most three times. `notebook` (a tab's name): that notebook's cell, its tab clicked
+    first; a reloaded page restores its workspace's notebooks and can make another one current
+    after the URL's, and the visible cells are then that one's."""
     from playwright.sync_api import expect
 
-    cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell").nth(index)
-    prompt = cell.locator(".jp-InputPrompt").first
     for _ in range(3):
+        if notebook is None:
+            cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell").nth(index)
+        else:
+            _make_current(page, notebook)
+            cell = _cells(page, notebook).nth(index)
+        prompt = cell.locator(".jp-InputPrompt").first
         prompt.click()
         page.keyboard.press("Shift+Enter")
         try:
@@ -309,6 +315,26 @@ def _run_cell(page, index: int) -> None:
         except AssertionError:
             continue
     raise AssertionError(f"cell {index} did not start after three Shift+Enter presses")
+
+
+def _notebook_tab(page, notebook: str):
+    return page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=notebook)
+
+
+def _cells(page, notebook: str):
+    """The cells of the notebook whose tab is named `notebook` (its panel, by the tab's data-id),
+    whether or not it is the one shown."""
+    panel_id = _notebook_tab(page, notebook).get_attribute("data-id")
+    return page.locator(f"[id='{panel_id}'] .jp-Notebook .jp-Cell")
+
+
+def _make_current(page, notebook: str) -> None:
+    """Clicks the notebook's tab and waits until it is the current one (the sidebar follows it)."""
+    from playwright.sync_api import expect
+
+    tab = _notebook_tab(page, notebook)
+    tab.click()
+    expect(tab).to_have_class(re.compile(r"\blm-mod-current\b"))
 
 
 def _wait_for_idle_kernel(page) -> None:
@@ -711,32 +737,32 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                 page = browser.new_page(viewport={"width": 1440, "height": 900})
                 page.set_default_timeout(WAIT_MS)
                 with _explained(page, tmp_path, "identity"):
-                    visible = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook .jp-Cell"
 
                     def tab(name):
-                        return page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=name)
+                        return _notebook_tab(page, name)
 
                     # Kernel A, then kernel B: both train a run named "shared" into one store.
                     page.goto(f"{base}/lab/tree/a.ipynb?reset&token={token}")
-                    expect(page.locator(visible)).to_have_count(4)
+                    expect(_cells(page, "a.ipynb")).to_have_count(4)
                     sidebar = page.locator(".wb-sidebar")
                     page.locator("li[data-id='replicator-workbench-sidebar']").click()
                     expect(sidebar).to_be_visible()
                     _wait_for_idle_kernel(page)
-                    _run_cell(page, 0)
+                    _run_cell(page, 0, "a.ipynb")
                     expect(sidebar).to_have_attribute("data-state", "ready")
-                    _run_cell(page, 1)
+                    _run_cell(page, 1, "a.ipynb")
                     expect(
-                        page.locator(visible).nth(1).locator(".jp-OutputArea-output img").first
+                        _cells(page, "a.ipynb").nth(1).locator(".jp-OutputArea-output img").first
                     ).to_be_visible()
                     page.goto(f"{base}/lab/tree/b.ipynb?token={token}")
-                    expect(page.locator(visible)).to_have_count(2)
+                    expect(_cells(page, "b.ipynb")).to_have_count(2)
                     if not sidebar.is_visible():
                         page.locator("li[data-id='replicator-workbench-sidebar']").click()
+                    _make_current(page, "b.ipynb")
                     _wait_for_idle_kernel(page)
-                    _run_cell(page, 0)
+                    _run_cell(page, 0, "b.ipynb")
                     expect(sidebar).to_have_attribute("data-state", "ready")
-                    _run_cell(page, 1)
+                    _run_cell(page, 1, "b.ipynb")
                     # b's run is done when its card says so (its cell's figure is a.ipynb's check)
                     expect(sidebar.locator(".wb-run .wb-run-name")).to_have_text(
                         ["shared (2)"], timeout=180_000
@@ -801,7 +827,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
 
                     # A long background run in A ends while B is the active tab: announced.
                     tab("a.ipynb").click()
-                    _run_cell(page, 2)
+                    _run_cell(page, 2, "a.ipynb")
                     expect(sidebar.locator(".wb-run[data-status=running]")).to_have_count(1)
                     tab("b.ipynb").click()
                     expect(
@@ -816,8 +842,8 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
                     tab("a.ipynb").click()
                     page.wait_for_timeout(500)  # the theme message reaches the kernel
-                    _run_cell(page, 3)
-                    figure = page.locator(visible).nth(3).locator(".jp-OutputArea-output img").first
+                    _run_cell(page, 3, "a.ipynb")
+                    figure = _cells(page, "a.ipynb").nth(3).locator(".jp-OutputArea-output img").first
                     expect(figure).to_be_visible()
                     figure.scroll_into_view_if_needed()
                     brightness = _image_brightness(figure.screenshot())

@@ -10,10 +10,15 @@ pool (launch/ray_pool.py) makes the placement group and the actors. Ray is an op
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
+import time
 
 from workbench._src.core.errors import ConfigurationError
 
@@ -136,6 +141,9 @@ class RayCluster:
         # (its reaper for a local instance; the cluster, for the actors of a driver that died).
         main_thread = threading.current_thread() is threading.main_thread()
         sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+        ray_tmpdir = os.environ.get("RAY_TMPDIR")
+        if self.address is None:
+            os.environ["RAY_TMPDIR"] = _private_ray_root(ray)
         try:
             local = {"num_cpus": max(os.cpu_count() or 1, LOCAL_CPUS)} if self.address is None else {}
             ray.init(
@@ -156,6 +164,10 @@ class RayCluster:
         finally:
             if main_thread and sigterm is not None:
                 signal.signal(signal.SIGTERM, sigterm)
+            if ray_tmpdir is None:  # (the instance's processes have it; nothing started later needs it)
+                os.environ.pop("RAY_TMPDIR", None)
+            else:
+                os.environ["RAY_TMPDIR"] = ray_tmpdir
         _connected_to = self.address
         return ray
 
@@ -184,6 +196,27 @@ class RayCluster:
             f"({', '.join(n['address'] for n in nodes)}), CPU {free.get('CPU', 0):g} free of "
             f"{total.get('CPU', 0):g}, GPU {free.get('GPU', 0):g} free of {total.get('GPU', 0):g}"
         )
+
+
+def _private_ray_root(ray) -> str:
+    """A folder of its own for the local Ray instance this process starts (its sessions, logs and
+    sockets; RAY_TMPDIR), removed at exit once Ray is shut down. Short: Ray's Unix socket paths
+    inside must stay under 108 bytes, so /tmp when TMPDIR is long. Also keeps the instance from
+    taking over the machine's /tmp/ray (another cluster's address file is there)."""
+    base = tempfile.gettempdir()
+    root = tempfile.mkdtemp(prefix="wbray-", dir=base if len(base) <= 24 else "/tmp")
+
+    def remove():
+        with contextlib.suppress(Exception):
+            ray.shutdown()  # (Ray's own exit hook may come later: shutting down twice is harmless)
+        for _ in range(3):  # a process of the instance may still be writing its last log line
+            shutil.rmtree(root, ignore_errors=True)
+            if not os.path.exists(root):
+                return
+            time.sleep(0.2)
+
+    atexit.register(remove)
+    return root
 
 
 def import_ray():
