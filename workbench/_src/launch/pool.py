@@ -19,19 +19,20 @@ The rules, all here:
 
 Where the processes run is `ProcessGroup` (local processes in a private network namespace);
 everything above it (shipping, relaying events, faults, the Run) only sees a Pool's `tasks`,
-`channel`, `send_work`, `processes` and `alive`. A Ray placement is another way to make those.
+`channel`, `send_work`, `processes` and `alive` (launch/pool_common.py); launch/ray_pool.py makes
+them of Ray actors.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import queue
 import subprocess
 import threading
 import time
 
 from workbench._src.launch.channel import Channel
+from workbench._src.launch.pool_common import PoolCommon
 from workbench._src.launch.processes import ProcessGroup
 
 WORKER_MODULE = "workbench._src.launch.worker_main"
@@ -41,40 +42,20 @@ _pools: list[Pool] = []  # live pools, busy or idle
 _retired_because: dict = {}  # shape -> why its last pool was retired (said by the next run)
 
 
-class Pool:
+class Pool(PoolCommon):
     """The processes of one launch plan, started once and reused while they stay healthy."""
 
     def __init__(self, backend: str, plan, keep: bool = True):
-        self.backend = backend
-        self.shape = plan.shape()
-        self.keep = keep  # False: the old path, one pool per run (pool=False)
-        self.idle_timeout = plan.idle_timeout
+        super().__init__(backend, plan, keep)
         self.tasks = plan.tasks()  # fixed for the pool's life: ports, TF_CONFIG
         self.group = ProcessGroup(backend)
         self.channel = Channel(self.group)
-        self.extra: list[dict] = []  # processes a member started itself (async-ps servers)
-        self.runs = 0  # runs started on this pool
-        self.state = "busy"  # busy | idle | retired
-        self.idle_since: float | None = None
-        self.started_at = time.time()
-        self._timer: threading.Timer | None = None
 
     # ----- what the launcher uses -------------------------------------------------------------
-    @property
-    def fresh(self) -> bool:
-        return self.runs == 0
-
     def start(self) -> None:
         """Starts every process at once (none waits for another; each connects back on its own)."""
         for task in self.tasks:
             self.group.start(task.role, task.index, WORKER_MODULE, {**self.channel.env(), **task.env})
-
-    def send_work(self, payload: bytes, number: int) -> None:
-        """Hands the next run's work to every (already connected) process of a warm pool."""
-        for child in self.group.children:
-            child.expected_exit = False  # it was set by the last run's results
-        for task in self.tasks:
-            self.channel.send(task.name, {"type": "work", "payload": payload, "run": number})
 
     @property
     def processes(self) -> list[dict]:
@@ -97,17 +78,6 @@ class Pool:
             if not _pid_alive(p["pid"]):
                 return f"{p['role']} {p['index']} (pid {p['pid']}) exited"
         return ""
-
-    def drain(self) -> str:
-        """Reads what the processes said while idle (heartbeats); returns a problem, if any."""
-        problem = ""
-        while True:
-            try:
-                task, message = self.channel.messages.get_nowait()
-            except queue.Empty:
-                return self.dead_member() or problem  # (how it ended says more than a closed socket)
-            if message.get("type") in ("disconnected", "error"):
-                problem = problem or f"{task.replace(':', ' ')} disconnected"
 
     # ----- ending ------------------------------------------------------------------------------
     def stop(self) -> None:

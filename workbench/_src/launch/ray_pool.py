@@ -31,6 +31,7 @@ import threading
 import time
 
 from workbench._src.core.errors import ConfigurationError, WorkerError
+from workbench._src.launch.pool_common import PoolCommon
 from workbench._src.launch.ray_cluster import PLACEMENTS
 
 MEMBER_MODULE = "workbench._src.launch.ray_member"  # named, as worker_main is: it runs over there
@@ -154,21 +155,12 @@ class RayChannel:
         self._closed = True
 
 
-class RayPool:
+class RayPool(PoolCommon):
     """The processes of one launch plan as Ray actors on `plan.ray`, reused while healthy."""
 
     def __init__(self, backend: str, plan, keep: bool = True):
-        self.backend = backend
-        self.shape = plan.shape()
-        self.keep = keep
-        self.idle_timeout = plan.idle_timeout
+        super().__init__(backend, plan, keep)
         self.cluster = plan.ray
-        self.extra: list[dict] = []
-        self.runs = 0
-        self.state = "busy"
-        self.idle_since: float | None = None
-        self.started_at = time.time()
-        self._timer: threading.Timer | None = None
         self.ray = ray = self.cluster.connect()
         _stop_at_exit(self)
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -262,10 +254,6 @@ class RayPool:
         return all(totals[k] >= v * count for k, v in bundle.items())
 
     # ----- what the launcher uses -------------------------------------------------------------
-    @property
-    def fresh(self) -> bool:
-        return self.runs == 0
-
     def start(self) -> None:
         """TF servers first (async-ps), then every working member, none waiting for another."""
         members = {(m.role, m.index): m for m in self.group.children}
@@ -273,12 +261,6 @@ class RayPool:
             members[key].actor.serve_tf.remote(cluster, self.threads)
         for task in self.tasks:
             members[(task.role, task.index)].actor.start.remote(task.env)
-
-    def send_work(self, payload: bytes, number: int) -> None:
-        for member in self.group.children:
-            member.expected_exit = False  # it was set by the last run's results
-        for task in self.tasks:
-            self.channel.send(task.name, {"type": "work", "payload": payload, "run": number})
 
     @property
     def processes(self) -> list[dict]:
@@ -290,16 +272,6 @@ class RayPool:
             if member.dead:
                 return f"{member.role} {member.index} ({member.where}) {member.exit_description()}"
         return ""
-
-    def drain(self) -> str:
-        problem = ""
-        while True:
-            try:
-                task, message = self.channel.messages.get_nowait()
-            except queue.Empty:
-                return self.dead_member() or problem
-            if message.get("type") in ("disconnected", "error"):
-                problem = problem or f"{task.replace(':', ' ')} disconnected"
 
     # ----- ending ------------------------------------------------------------------------------
     def stop(self, grace: float = 2.0) -> None:
