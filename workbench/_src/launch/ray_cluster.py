@@ -209,11 +209,13 @@ def _private_ray_root(ray) -> str:
     def remove():
         with contextlib.suppress(Exception):
             ray.shutdown()  # (Ray's own exit hook may come later: shutting down twice is harmless)
-        for _ in range(3):  # a process of the instance may still be writing its last log line
+        # ray.shutdown() returns before every process of the instance has ended, and one still
+        # writing its last log line recreates folders: remove until it stays removed (<= 2 s).
+        for _ in range(10):
             shutil.rmtree(root, ignore_errors=True)
+            time.sleep(0.2)
             if not os.path.exists(root):
                 return
-            time.sleep(0.2)
 
     atexit.register(remove)
     return root
