@@ -5,8 +5,8 @@ it runs the same `worker_main.serve` loop (build this process's replicator, run 
 "shutdown"), or, for an async-ps parameter server or worker, a TensorFlow server. What differs is
 the link to the launcher: no socket of our own, but Ray's actor calls. The launcher calls
 `deliver` (work, stop, shutdown) and long-polls `poll` for what the member said (hello,
-heartbeats, events, results, errors); a heartbeat thread here goes quiet when the process freezes, and a member that goes unpolled
-leaves (`_leave_when_orphaned`).
+heartbeats, events, results, errors); a heartbeat thread here goes quiet when the process
+freezes, and a member that goes unpolled leaves (`_leave_when_orphaned`).
 
 Nothing here imports Ray, TensorFlow or the backends at import time: the launcher imports this
 module by name (as a local launcher names worker_main) and wraps the class with ray.remote.
@@ -112,20 +112,9 @@ class Member:
     def serve_tf(self, cluster: dict, threads: int | None) -> None:
         """Starts this member's TensorFlow server (an async-ps parameter server or worker)."""
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        from workbench._src.core import tf_setup
+        from workbench._src.launch.server_main import start_server
 
-        tf_setup._requested_cpus = 1  # one CPU device per server: the coordinator places the work
-        t = tf_setup.tf()
-        if threads:
-            t.config.threading.set_intra_op_parallelism_threads(int(threads))
-            t.config.threading.set_inter_op_parallelism_threads(int(threads))
-        self.server = t.distribute.Server(
-            t.train.ClusterSpec(cluster),
-            job_name=self.role,
-            task_index=self.index,
-            protocol="grpc",
-            start=True,
-        )
+        self.server = start_server(cluster, self.role, self.index, threads)
 
     def deliver(self, message: dict) -> None:
         if self.link is not None:

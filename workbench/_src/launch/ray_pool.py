@@ -112,7 +112,7 @@ class RayChannel:
             except Exception as error:  # noqa: BLE001 - RayActorError and kin: the actor is gone
                 if self._closed or member.exited:
                     return
-                member.dead, member.death = True, _death_reason(error, member)
+                member.dead, member.death = True, _death_reason(error)
                 if member.may_die:
                     text = (
                         f"async-ps worker {member.index} ({member.where}) {member.exit_description()}; "
@@ -338,7 +338,7 @@ def _stop_all() -> None:
             pool.stop(grace=0.5)
 
 
-def _death_reason(error: Exception, member: RayMember) -> str:
+def _death_reason(error: Exception) -> str:
     """A short reason from Ray's error (its first line), e.g. the node that died."""
     text = str(error).strip().splitlines()
     first = next((line for line in text if line.strip()), type(error).__name__)

@@ -25,19 +25,25 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     cluster = json.loads(os.environ["WORKBENCH_CLUSTER"])
     job, index = os.environ[TASK_ENV].split(":")
+    server = start_server(cluster, job, int(index), os.environ.get("WORKBENCH_WORKER_THREADS"))
+    while server is not None:  # the reference keeps it serving (Server.__del__ stops it)
+        signal.pause()
+
+
+def start_server(cluster: dict, job: str, index: int, threads) -> object:
+    """This process's TensorFlow server for task `job:index` of `cluster` (also a Ray-placed
+    pool's server member, launch/ray_member.py); `threads`: TensorFlow threads, None for its own
+    choice."""
     from workbench._src.core import tf_setup
 
     tf_setup._requested_cpus = 1  # one CPU device per server: the coordinator places the work
     t = tf_setup.tf()
-    threads = os.environ.get("WORKBENCH_WORKER_THREADS")
     if threads:
         t.config.threading.set_intra_op_parallelism_threads(int(threads))
         t.config.threading.set_inter_op_parallelism_threads(int(threads))
-    server = t.distribute.Server(
-        t.train.ClusterSpec(cluster), job_name=job, task_index=int(index), protocol="grpc", start=True
+    return t.distribute.Server(
+        t.train.ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc", start=True
     )
-    while server is not None:  # the reference keeps it serving (Server.__del__ stops it)
-        signal.pause()
 
 
 def _exit_on_sigterm(signum, frame) -> None:
