@@ -1,6 +1,6 @@
 """Start-up of the process backends, first run and re-run, against an in-process re-run (issue 21).
 
-Run: python bench/bench_startup.py [--steps 50] [--skip-anchor]
+Run: python bench/bench_startup.py [--steps 50] [--skip-anchor] [--think 20]
 
 One invocation, the same digits MLP (64-128-128-10, Adam, global batch 64) and `--steps` steps
 per `train(setup=...)` call, each wall time measured around the call:
@@ -8,6 +8,8 @@ per `train(setup=...)` call, each wall time measured around the call:
               notebook user makes after editing a cell); the anchor of the ratios;
   multi-worker 2 workers: first run (a fresh pool), second run (the warm pool);
   async-ps    2 workers, 1 parameter server: first run, second run;
+  chosen      the backend chosen first (its pool starts in the background, as after
+              `%replicate --backend ...`), the first run `--think` seconds later;
   pool=False  the old path (fresh processes every run, stopped at the end) for both backends:
               its first run is the start-up anchor of "first run start-up <= 60% of before".
 Printed: wall seconds, start-up seconds (train() called -> processes ready), run.startup's phases,
@@ -76,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--skip-anchor", action="store_true", help="no pool=False rows")
+    parser.add_argument("--think", type=float, default=20.0, help="seconds between choosing and training")
     args = parser.parse_args()
 
     import workbench as wb
@@ -98,6 +101,15 @@ def main() -> None:
         results[name, "first"] = row(f"{name}, first run", *timed(repl, args.steps))
         results[name, "second"] = row(f"{name}, second run (warm)", *timed(repl, args.steps))
         repl.shutdown()
+        # Chosen in a cell (`%replicate --backend ...` starts the pool in the background), then
+        # the training cell written and run `--think` seconds later.
+        repl = make()
+        repl.prestart()
+        time.sleep(args.think)
+        results[name, "chosen"] = row(
+            f"{name}, first run {args.think:.0f} s after choosing", *timed(repl, args.steps)
+        )
+        repl.shutdown()
 
     print("\nratios (this invocation, same machine):")
     for name, _ in backends:
@@ -106,6 +118,8 @@ def main() -> None:
         if not args.skip_anchor:
             first = results[name, "first"]["startup"] / max(results[name, "old"]["startup"], 1e-9)
             print(f"  {name:<16} first start-up / pool=False's     {first:5.2f}  (goal <= 0.6)")
+        chosen = results[name, "chosen"]["wall"] / inproc
+        print(f"  {name:<16} first run after choosing / in-process re-run {chosen:5.2f}")
 
 
 if __name__ == "__main__":

@@ -176,3 +176,26 @@ def test_the_panel_shows_a_warm_pool_and_its_button_ends_it():
         wait_for(lambda: not any(alive(p) for p in pids(run)), 15, "the pool's processes to end")
     finally:
         panel.close()
+
+
+def test_choosing_a_process_backend_starts_its_pool_in_the_background(notebook):
+    """`%replicate --backend multi-worker --workers 2` starts the pool; the first cell finds its
+    processes up (TensorFlow imported, the cluster formed) and says how long ago they started."""
+    repl = notebook.run_line_magic("replicate", "--backend multi-worker --workers 2")
+    wait_for(lambda: [p.describe()["state"] for p in pools.live_pools()] == ["idle"], 30, "the pool")
+    (pool,) = pools.live_pools()
+    started = [p["pid"] for p in pool.processes]
+    wait_for(lambda: pool.channel.messages.qsize() >= 2, 60, "both workers to connect")  # (their hellos)
+    run = repl.train(setup=regression_setup, steps=10)
+    assert run.status == "finished" and pids(run) == started
+    (ready,) = [t for t in messages(run) if "processes ready" in t]
+    assert "started in the background" in ready, ready
+    assert run.startup["in background"] > 0 and run.startup["imports"] > 0
+    # Choosing the same again starts nothing; another shape retires the idle pool and starts its own.
+    notebook.run_line_magic("replicate", "--backend multi-worker --workers 2")
+    assert [p["pid"] for p in pools.live_pools()[0].processes] == started
+    notebook.run_line_magic("replicate", "--backend multi-worker --workers 1")
+    wait_for(lambda: not any(alive(p) for p in started), 15, "the 2-worker pool to end")
+    wait_for(lambda: [len(p.processes) for p in pools.live_pools()] == [1], 30, "the 1-worker pool")
+    pools.shutdown()
+    assert pools.live_pools() == []

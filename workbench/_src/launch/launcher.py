@@ -109,9 +109,10 @@ class Launcher:
         watch = _Watch(self, pool, run, payload, timeout)
         healthy, reason = False, ""
         try:
-            if pool.fresh:
+            if not pool.started:
                 pool.start()
-            else:
+                pool.started = True
+            elif not pool.fresh:  # (a fresh pool started in the background: its hellos are queued)
                 pool.send_work(payload, watch.number)
             pool.runs += 1
             self.last_processes = pool.processes
@@ -135,6 +136,10 @@ class Launcher:
                 pool, healthy and not lost, reason or (f"{lost} during the last run" if lost else "")
             )
 
+    def prestart(self) -> bool:
+        """Starts this plan's pool in the background (launch/pool.py `prestart`)."""
+        return pools.prestart(self.backend, self.plan)
+
     def shutdown(self) -> None:
         """Ends this plan's warm pool (an idle one now; a busy one when its run ends)."""
         pools.shutdown(self.plan.shape())
@@ -157,6 +162,11 @@ class _Watch:
         self.started_wall = time.time()  # the processes report wall-clock milestones
         self.phases: dict[str, dict] = {}
         self.warm = not pool.fresh
+        # A pool started in the background when its backend was chosen: its start's phases
+        # count from then, and the wait is what was left of it when the run asked.
+        self.ahead = (
+            self.started_wall - pool.started_at if pool.started_in_background and not self.warm else 0.0
+        )
         self.number = pool.runs + 1  # this run's number in the pool: its stop requests carry it
         if self.warm:  # connected long ago: their heartbeats count from now
             self.heard = {task: self.started for task in self.tasks}
@@ -188,13 +198,20 @@ class _Watch:
             if len(self.ready) == len(self.tasks) and self.run is not None:
                 seconds = time.monotonic() - self.started
                 self.run.startup_seconds = seconds
-                self.run.startup = startup_phases(self.phases.values(), self.started_wall, self.warm)
-                backend, phases = self.launcher.backend, _phase_text(self.run.startup)
-                text = (
-                    f"{backend} warm pool (run {self.pool.runs}) ready in {seconds:.1f} s"
-                    if self.warm
-                    else f"{backend} processes ready in {seconds:.1f} s ({phases})"
+                self.run.startup = startup_phases(
+                    self.phases.values(), self.started_wall, self.warm, ahead=self.ahead
                 )
+                backend, phases = self.launcher.backend, _phase_text(self.run.startup)
+                if self.warm:
+                    text = f"{backend} warm pool (run {self.pool.runs}) ready in {seconds:.1f} s"
+                elif self.ahead:
+                    self.run.startup["in background"] = round(self.ahead, 3)
+                    text = (
+                        f"{backend} processes ready in {seconds:.1f} s (started in the background "
+                        f"{self.ahead:.1f} s before this run: {phases})"
+                    )
+                else:
+                    text = f"{backend} processes ready in {seconds:.1f} s ({phases})"
                 self.run.publish("message", text=text)
         elif kind == "processes":  # what a coordinator started itself (async-ps servers)
             self.pool.extra.extend(message["children"])  # (a warm pool's runs list them too)
@@ -353,12 +370,14 @@ class _Watch:
 PHASES = ("spawn", "imports", "servers", "cluster join", "shipping")
 
 
-def startup_phases(reports, started_wall: float, warm: bool) -> dict:
+def startup_phases(reports, started_wall: float, warm: bool, ahead: float = 0.0) -> dict:
     """run.startup: seconds per phase of the start, each the slowest process's. A process reports
     wall-clock milestones (worker_main): entered (its interpreter runs our code), imported
     (TensorFlow), servers (its own servers listen: async-ps), joined (the strategy is built),
     unpickled (the work is ready to run). Consecutive milestones, so the phases add up to the
-    wait. A warm pool's start is one phase, the hand-off."""
+    wait. A warm pool's start is one phase, the hand-off. A pool started in the background
+    `ahead` seconds before the run: its phases count from its start, and its processes' wait
+    for the run's work is not shipping."""
     if warm:
         return {
             "handoff": round(
@@ -369,9 +388,11 @@ def startup_phases(reports, started_wall: float, warm: bool) -> dict:
     marks = ("entered", "imported", "servers", "joined", "unpickled")
     out = dict.fromkeys(PHASES, 0.0)
     for report in reports:
-        previous = started_wall
+        previous = started_wall - ahead
         for phase, mark in zip(PHASES, marks):
             at = report.get(mark, previous)
+            if phase == "shipping":
+                previous = max(previous, started_wall)  # (the work exists from the run's start)
             out[phase] = max(out[phase], at - previous)
             previous = at
     return {k: round(v, 3) for k, v in out.items()}

@@ -40,6 +40,9 @@ WORKER_MODULE = "workbench._src.launch.worker_main"
 _lock = threading.Lock()
 _pools: list[Pool] = []  # live pools, busy or idle
 _retired_because: dict = {}  # shape -> why its last pool was retired (said by the next run)
+_observers: list = []  # called with no argument after any pool changes state (the sidebar)
+_prestarting: dict = {}  # shape -> the thread starting a pool of that shape in the background
+_prestart_failed: dict = {}  # shape -> why its background start failed (said by the next run)
 
 
 class Pool(PoolCommon):
@@ -105,6 +108,7 @@ class Pool(PoolCommon):
             "state": self.state,
             "runs": self.runs,
             "idle_seconds": idle,
+            "idle_since": self.idle_since if self.state == "idle" else None,
             "idle_timeout": self.idle_timeout,
         }
 
@@ -118,6 +122,13 @@ def checkout(backend: str, plan) -> tuple[Pool, list[str]]:
     keep = bool(getattr(plan, "pool", True))
     shape = plan.shape()
     with _lock:
+        starting = _prestarting.get(shape)
+    if starting is not None:  # chosen a moment ago: its processes are already on their way
+        starting.join(timeout=plan.launch_timeout)
+    with _lock:
+        failed = _prestart_failed.pop(shape, None)
+        if failed:
+            notes.append(f"the {backend} pool's start in the background failed ({failed}): starting again")
         for pool in [p for p in _pools if p.state == "idle"]:
             if pool.shape != shape or not keep:
                 retire.append((pool, "a run of another shape"))
@@ -125,7 +136,9 @@ def checkout(backend: str, plan) -> tuple[Pool, list[str]]:
                     f"retired the warm {pool.backend} pool ({_shape_text(pool)}): this run has another shape"
                 )
                 continue
-            problem = pool.drain()
+            # (a pool started in the background and never used: its queued messages are its
+            # start's, the hellos the launcher answers with work; they are not drained)
+            problem = pool.drain() if pool.runs else pool.dead_member()
             if problem:
                 retire.append((pool, problem))
                 notes.append(f"the warm {pool.backend} pool lost {problem} while idle: starting a fresh one")
@@ -145,6 +158,7 @@ def checkout(backend: str, plan) -> tuple[Pool, list[str]]:
         taken = new_pool(backend, plan, keep)  # (outside too: it opens a network namespace)
         with _lock:
             _pools.append(taken)
+    _changed()
     return taken, notes
 
 
@@ -157,31 +171,87 @@ def new_pool(backend: str, plan, keep: bool):
     return Pool(backend, plan, keep=keep)
 
 
+def prestart(backend: str, plan) -> bool:
+    """Starts a pool for `plan` in the background, so the first run finds its processes up
+    (TensorFlow imported, the cluster formed): `%replicate --backend multi-worker` and the panel
+    call it when a process backend is chosen. Nothing happens when a pool of that shape is
+    live or starting, or when pools are off (`pool=False`). The pool is then an idle pool:
+    its idle timer runs, another shape retires it, shutdown() ends it. Returns whether it
+    started one."""
+    if not getattr(plan, "pool", True):
+        return False
+    if getattr(plan, "ray", None) is not None:
+        plan.ray.connect()  # (here: ray.init sets signal handlers, which only the main thread may)
+    shape = plan.shape()
+    with _lock:
+        if shape in _prestarting or any(p.shape == shape for p in _pools):
+            return False
+        retire = [(p, "another backend was chosen") for p in _pools if p.state == "idle"]
+        thread = threading.Thread(
+            target=_start_in_background, args=(backend, plan), name="workbench pool start", daemon=True
+        )
+        _prestarting[shape] = thread
+        _prestart_failed.pop(shape, None)
+    _retire_all(retire, remember=False)
+    thread.start()
+    return True
+
+
+def _start_in_background(backend: str, plan) -> None:
+    shape, pool = plan.shape(), None
+    try:
+        pool = new_pool(backend, plan, keep=True)
+        pool.start()
+        pool.started = True
+    except BaseException as error:  # noqa: BLE001 - said by the next run, which starts again
+        _prestart_failed[shape] = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                pool.stop()
+            pool = None
+    finally:
+        with _lock:
+            _prestarting.pop(shape, None)
+            if pool is not None:
+                pool.started_in_background = True
+                _pools.append(pool)
+                _make_idle(pool)
+    _changed()
+
+
 def checkin(pool: Pool, healthy: bool, reason: str = "") -> None:
     """After a run: a healthy pool that keeps goes idle (its timer starts); any other retires."""
     with _lock:
         if pool.state == "retired":
             return
-        if not (healthy and pool.keep) or pool.state == "retiring":
+        retire = not (healthy and pool.keep) or pool.state == "retiring"
+        if retire:
             pool.state = "retired"
             if pool in _pools:
                 _pools.remove(pool)
             if pool.keep and reason:
                 _retired_because[pool.shape] = reason
         else:
-            pool.state, pool.idle_since = "idle", time.time()
-            if pool.idle_timeout:
-                pool._timer = threading.Timer(pool.idle_timeout, _idle_expired, args=(pool, pool.idle_since))
-                pool._timer.daemon = True  # never holds the interpreter at exit
-                pool._timer.name = "workbench pool idle timer"
-                pool._timer.start()
-            return
-    pool.stop()
+            _make_idle(pool)
+    if retire:
+        pool.stop()
+    _changed()
+
+
+def _make_idle(pool: Pool) -> None:
+    """(Under _lock.) The pool waits for the next run; its idle timer starts."""
+    pool.state, pool.idle_since = "idle", time.time()
+    if pool.idle_timeout:
+        pool._timer = threading.Timer(pool.idle_timeout, _idle_expired, args=(pool, pool.idle_since))
+        pool._timer.daemon = True  # never holds the interpreter at exit
+        pool._timer.name = "workbench pool idle timer"
+        pool._timer.start()
 
 
 def shutdown(shape=None, reason: str = "shut down") -> int:
     """Ends the idle pools (of `shape`, or all); a busy one ends when its run does. Returns how
     many pools were stopped or marked."""
+    _finish_background_starts(shape)  # (a pool still starting is ended too, once it is a pool)
     with _lock:
         chosen = [p for p in _pools if shape is None or p.shape == shape]
         retire = []
@@ -191,12 +261,34 @@ def shutdown(shape=None, reason: str = "shut down") -> int:
             else:
                 pool.state = "retiring"  # checkin retires it after its run
     _retire_all(retire, remember=False)
+    _changed()
     return len(chosen)
+
+
+def _finish_background_starts(shape=None, timeout: float = 60.0) -> None:
+    with _lock:
+        threads = [t for k, t in _prestarting.items() if shape is None or k == shape]
+    for thread in threads:
+        thread.join(timeout)
 
 
 def live_pools() -> list[Pool]:
     with _lock:
         return list(_pools)
+
+
+def observe(callback) -> None:
+    """Calls `callback()` after any pool starts, is taken by a run, goes idle or ends (the
+    JupyterLab sidebar's pool list; sinks/labcomm.py). Called from the thread that changed it."""
+    with _lock:
+        if callback not in _observers:
+            _observers.append(callback)
+
+
+def _changed() -> None:
+    for callback in list(_observers):
+        with contextlib.suppress(Exception):  # a closed sidebar must not break a run
+            callback()
 
 
 def _retire_all(retire: list[tuple[Pool, str]], remember: bool = True) -> None:
@@ -209,6 +301,8 @@ def _retire_all(retire: list[tuple[Pool, str]], remember: bool = True) -> None:
                 _retired_because[pool.shape] = reason
     for pool, _ in retire:
         pool.stop()
+    if retire:
+        _changed()
 
 
 def _idle_expired(pool: Pool, since: float) -> None:
@@ -235,6 +329,7 @@ def _pid_alive(pid: int) -> bool:
 def _stop_all_at_exit() -> None:
     # Registered after processes.py's own atexit (imported above), so it runs first: the
     # processes exit on a message, cleanly, and the channel's folder goes too.
+    _finish_background_starts(timeout=5.0)
     for pool in live_pools():
         with contextlib.suppress(Exception):
             pool.stop()

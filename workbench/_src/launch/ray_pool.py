@@ -311,6 +311,7 @@ class RayPool(PoolCommon):
             "state": self.state,
             "runs": self.runs,
             "idle_seconds": idle,
+            "idle_since": self.idle_since if self.state == "idle" else None,
             "idle_timeout": self.idle_timeout,
             "placement": f"Ray ({self.cluster.placement}): "
             + ", ".join(sorted({m.node for m in self.group.children})),

@@ -19,6 +19,7 @@ their imports run while its own does.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -62,6 +63,10 @@ def serve(link, entered: float) -> int:
         phases["servers"] = time.time()
         repl.strategy  # noqa: B018 - joins the peers (multi-worker) or connects the servers (async-ps)
         phases["joined"] = time.time()
+        # What exists now is the pool's for good (TensorFlow's modules, the strategy, the
+        # servers): frozen, the collection between two runs (release_run_state) scans only what
+        # the runs made, ~0.02 s instead of 0.23 s for a full one over TensorFlow's objects.
+        gc.freeze()
         children = repl.started_processes()
         if children:
             link.send({"type": "processes", "children": children})

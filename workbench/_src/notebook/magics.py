@@ -189,6 +189,10 @@ class ReplicateMagics(Magics):
             return repl
         repl = self._choose(args)
         self.shell.user_ns["repl"] = repl
+        if getattr(repl, "runs_in_processes", False):
+            # The cell that trains comes next: its processes start now, in the background, and
+            # import TensorFlow and form the cluster while the user writes it.
+            repl.prestart()
         return repl
 
     def _line_form(self, args):

@@ -100,6 +100,8 @@ class Panel(w.VBox):
             self.status = f"error: {e}"
             return None
         self.status = f"session replicator: {repl!r}"
+        if getattr(repl, "runs_in_processes", False):
+            repl.prestart()  # its processes start now, so the first run finds them warm
         self.refresh_pool()  # (choosing another shape ended the old pool)
         self.refresh_cluster()
         return repl
