@@ -22,7 +22,7 @@ import tempfile
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
-from workbench._src.core.tf_setup import tf
+from workbench._src.core.tf_setup import physical_gpu_count, tf
 from workbench._src.launch import runtime
 from workbench._src.launch.launcher import Task
 from workbench._src.launch.processes import free_ports
@@ -110,12 +110,12 @@ class MultiWorkerPlan(LaunchPlan):
         env = {"WORKBENCH_WORKER_DEVICES": str(self.devices_per_worker)}
         if self.threads_per_worker:
             env["WORKBENCH_WORKER_THREADS"] = str(self.threads_per_worker)
-        gpus = tf().config.list_physical_devices("GPU")
+        gpus = physical_gpu_count()  # (no TensorFlow import in the launcher on a machine without)
         if gpus:
-            if len(gpus) < self.num_replicas:
+            if gpus < self.num_replicas:
                 raise ConfigurationError(
                     f"{self.num_workers} workers x {self.devices_per_worker} GPU(s) need "
-                    f"{self.num_replicas} GPUs; this machine has {len(gpus)}."
+                    f"{self.num_replicas} GPUs; this machine has {gpus}."
                 )
             first = index * self.devices_per_worker
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + j) for j in range(self.devices_per_worker))

@@ -255,6 +255,16 @@ def device_summary() -> dict:
     }
 
 
+def physical_gpu_count() -> int:
+    """The GPUs TensorFlow sees (or would see) in this process. Without an NVIDIA driver
+    (/proc/driver/nvidia) TensorFlow cannot see one, so this answers without importing it: a
+    launcher that only needs the count (to give each worker its GPUs) does not wait seconds for
+    an import its processes do anyway."""
+    if _module is None and not os.path.isdir("/proc/driver/nvidia"):
+        return 0
+    return len(tf().config.list_physical_devices("GPU"))
+
+
 def accelerator_devices() -> list[str]:
     """The devices mirrored replicas go on: GPUs when there are any, else the (virtual) CPUs."""
     t = tf()
