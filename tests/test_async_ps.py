@@ -204,3 +204,22 @@ def test_async_ps_history_ends_at_the_reported_non_finite_step():
     reported = int(run.stop_reason.split("Training stopped at step ")[1].split(":")[0])
     assert list(history["step"]) == list(range(1, reported + 1))  # nothing after it
     assert np.isfinite(history["loss"].iloc[:-1]).all() and not np.isfinite(history["loss"].iloc[-1])
+
+
+def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
+    """The coordinator re-runs a chunk whose fetch failed with a worker (on servers it does not
+    watch: a Ray pool, a real cluster), and not one that failed with a parameter server. These are
+    the errors TensorFlow raised: the first seen on Ray when a worker actor was killed mid-run."""
+    from workbench._src.backends.async_coordinator import _lost_with_a_worker
+
+    with_worker = (
+        "2 root error(s) found.\n  (0) UNAVAILABLE: {{function_node __wrapped__Identity_device_/job:chief/"
+        "replica:0/task:0/device:CPU:0}} failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:192.0.2.2:58431: Failed to connect to remote host: Connection refused\nAdditional GRPC "
+        "error information from remote target /job:worker/replica:0/task:1/device:CPU:0 while calling "
+        "/tensorflow.eager.EagerService/RunComponentFunction:"
+    )
+    assert _lost_with_a_worker(with_worker)
+    assert not _lost_with_a_worker(with_worker.replace("/job:worker/", "/job:ps/"))
+    assert not _lost_with_a_worker(with_worker + " and /job:ps/replica:0/task:0/device:CPU:0")
+    assert not _lost_with_a_worker("UNAVAILABLE: Socket closed")  # no task named: not ours to guess

@@ -3,6 +3,7 @@ that schedules chunks of it on the workers (see backends/async_ps.py for the rep
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -125,9 +126,13 @@ class CoordinatorExecutor:
         self._check_servers()  # a dead server explains a fetch failure best
         t = tf()
         lost = (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)
-        if isinstance(error, lost) and self.repl.servers is not None:
+        if isinstance(error, lost) and (self.repl.servers is not None or _lost_with_a_worker(str(error))):
             # Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
-            # mid-transfer can still fail like this. The PS and a worker are alive (checked above).
+            # mid-transfer (its result still on the worker when it died) can still fail like
+            # this. Our own servers: the PS and a worker are alive (checked above). Servers we
+            # do not watch (a Ray pool's actors, a real cluster's hosts): the error names the
+            # worker it was lost with and no parameter server; a lost PS is the launcher's to
+            # report (or TensorFlow's next error, which names it).
             return None
         raise _translated_input_error(error) from None
 
@@ -175,6 +180,16 @@ class CoordinatorExecutor:
                 text=f"workers executed {run.executed_steps} steps for the {run.steps} in the history: "
                 "parameter-server execution is at-least-once (steps lost with a worker run again)",
             )
+
+
+_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:\d+")
+
+
+def _lost_with_a_worker(text: str) -> bool:
+    """Whether a fetch's error names a worker and no parameter server: "... from remote target
+    /job:worker/replica:0/task:1 ..." (the coordinator itself is /job:chief)."""
+    jobs = set(_TASK.findall(text)) - {"chief"}
+    return jobs == {"worker"}
 
 
 def _translated_input_error(error):
