@@ -111,6 +111,9 @@ def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ra
         run = repl.train(setup=regression_setup, steps=100_000, background=True)
         wait_for_steps(run, 20)
         victim = next(p for p in run.processes if p["role"] == "worker" and p["index"] == 1)
+        (victim_member,) = [m for m in repl.launcher.pool.group.children if m.pid == victim["pid"]]
+        victim_tmp = victim_member.tmp_dir  # its own temp folder (AutoGraph's files are there)
+        assert os.path.isdir(victim_tmp), victim_tmp
         killed = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         with pytest.raises(wb.WorkerError) as caught:
@@ -124,6 +127,8 @@ def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ra
     finally:
         repl.shutdown()
     assert _placement_groups_alive() == []
+    # Killed by a signal, it could not remove its temp folder: the pool had a member on its node do it.
+    assert not os.path.exists(victim_tmp), os.listdir(victim_tmp)
 
 
 @pytest.mark.slow

@@ -83,7 +83,13 @@ class Member:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return {"address": ray.util.get_node_ip_address(), "port": port, "pid": os.getpid()}
+        return {
+            "address": ray.util.get_node_ip_address(),
+            "port": port,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "tmp_dir": self.tmp_dir,
+        }
 
     def start(self, env: dict) -> None:
         """Runs worker_main.serve on a thread with `env` (TF_CONFIG, the backend's options)."""
@@ -142,3 +148,11 @@ class Member:
     def clean_up(self) -> None:
         """Removes this process's temp folder (the launcher then ends the actor)."""
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def remove_left_behind(self, folders: list[str]) -> None:
+        """Removes the temp folders of members on this node that died without cleaning up
+        (killed by a signal). Only a member's folder: a sibling of this one's, with its prefix."""
+        parent = os.path.dirname(self.tmp_dir)
+        for folder in folders:
+            if os.path.dirname(folder) == parent and os.path.basename(folder).startswith(TMP_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)

@@ -46,6 +46,7 @@ class RayMember:
     def __init__(self, role: str, index: int, actor, where: dict, may_die: bool = False):
         self.role, self.index, self.actor = role, index, actor
         self.pid, self.node, self.port = where["pid"], where["address"], where["port"]
+        self.node_id, self.tmp_dir = where.get("node_id"), where.get("tmp_dir")
         self.may_die = may_die  # an async-ps worker server: the run goes on without it
         self.expected_exit = False
         self.dead = False
@@ -292,6 +293,7 @@ class RayPool(PoolCommon):
         while any(not (m.exited or m.dead) for m in working) and time.monotonic() < deadline:
             time.sleep(0.05)
         cleaning = [m.actor.clean_up.remote() for m in self.group.children if not m.dead]
+        cleaning += self._remove_folders_of_the_dead()
         with contextlib.suppress(Exception):
             ray.wait(cleaning, num_returns=len(cleaning), timeout=grace)
         self.channel.close()
@@ -300,6 +302,17 @@ class RayPool(PoolCommon):
                 ray.kill(member.actor, no_restart=True)
         with contextlib.suppress(Exception):
             self._remove_placement_group(self.placement_group)
+
+    def _remove_folders_of_the_dead(self) -> list:
+        """A member killed by a signal could not remove its temp folder (AutoGraph's files): a
+        living member on its node removes it. (None left there: it stays, said nowhere; a node's
+        temp folder is cleaned at its reboot.)"""
+        calls = []
+        for dead in [m for m in self.group.children if m.dead and m.tmp_dir]:
+            helper = next((m for m in self.group.children if not m.dead and m.node_id == dead.node_id), None)
+            if helper is not None:
+                calls.append(helper.actor.remove_left_behind.remote([dead.tmp_dir]))
+        return calls
 
     def describe(self) -> dict:
         idle = time.time() - self.idle_since if self.state == "idle" and self.idle_since else 0.0
