@@ -105,7 +105,15 @@ def timed_train(repl, setup, steps, in_process: bool):
     else:
         run = repl.train(setup=setup, steps=steps, sinks=[first_metrics])
     run.events_first_metrics_time = marks["t"]
-    return measure(run, started)
+    measured = measure(run, started)
+    # What the launcher said of the start (warm pool or fresh processes, and why): a warm start
+    # that took long is explained by these lines.
+    measured["start_lines"] = [
+        e.data.get("text", "")
+        for e in run.events
+        if e.kind == "message" and ("pool" in e.data.get("text", "") or "ready" in e.data.get("text", ""))
+    ]
+    return measured
 
 
 # ----- hand-written anchors ---------------------------------------------------------------
@@ -439,6 +447,8 @@ def compare_on_ray(args, setup, wb) -> None:
                 f"{warm['startup_s']:>12.1f}",
                 flush=True,
             )
+            for line in warm["start_lines"]:
+                print(f"{'':23}warm run: {line}", flush=True)
         ratio = measured["ray"]["steps_per_sec"] / measured["local"]["steps_per_sec"]
         print(f"{name:14} Ray-placed / local launcher steps/s: {ratio:.2f} (goal >= 0.95)", flush=True)
 
