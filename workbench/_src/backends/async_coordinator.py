@@ -79,6 +79,7 @@ class CoordinatorExecutor:
         self.program, self.repl = program, program.replicator
         self.max_in_flight = 2 * self.repl.num_workers
         self.run = None
+        self.unreachable: set[str] = set()  # workers a fetch failed with (servers we do not watch)
 
     def start(self, run) -> None:
         self.run = run
@@ -123,16 +124,26 @@ class CoordinatorExecutor:
         return np.asarray(rows)[:done], done
 
     def _lost_or_raise(self, error):
+        """None (run the chunk again) when its fetch failed with a lost worker, else raises.
+        Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
+        mid-transfer (its result still on the worker when it died) fails like this instead."""
         self._check_servers()  # a dead server explains a fetch failure best
         t = tf()
-        lost = (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)
-        if isinstance(error, lost) and (self.repl.servers is not None or _lost_with_a_worker(str(error))):
-            # Usually the coordinator re-runs a dead worker's chunks itself; a chunk caught
-            # mid-transfer (its result still on the worker when it died) can still fail like
-            # this. Our own servers: the PS and a worker are alive (checked above). Servers we
-            # do not watch (a Ray pool's actors, a real cluster's hosts): the error names the
-            # worker it was lost with and no parameter server; a lost PS is the launcher's to
-            # report (or TensorFlow's next error, which names it).
+        if not isinstance(error, (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)):
+            raise _translated_input_error(error) from None
+        if self.repl.servers is not None:
+            return None  # our own servers: the PS and a worker are alive (checked above)
+        if _lost_with_a_worker(str(error)):
+            # Servers we do not watch (a Ray pool's actors, a real cluster's hosts): the error
+            # names the worker and no parameter server. A lost PS is the launcher's to report,
+            # or TensorFlow's next error names it.
+            found = _TASK_INDEX.search(str(error).split("remote target", 1)[-1])
+            name = f"worker {found.group(1)}" if found else "a worker"
+            if name not in self.unreachable and self.run is not None:
+                self.unreachable.add(name)  # (once per worker: TensorFlow keeps retrying it)
+                self.run.publish(
+                    "message", text=f"{name} is unreachable: its steps run again on the other workers"
+                )
             return None
         raise _translated_input_error(error) from None
 
@@ -183,6 +194,7 @@ class CoordinatorExecutor:
 
 
 _TASK = re.compile(r"/job:(\w+)/replica:\d+/task:\d+")
+_TASK_INDEX = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
 
 
 def _lost_with_a_worker(text: str) -> bool:
