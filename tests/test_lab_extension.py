@@ -3,7 +3,8 @@
 The browser test starts JupyterLab on 127.0.0.1 with a token, drives it with headless Chromium
 (Debian's `chromium`, through Playwright without a downloaded browser), runs a background
 `%%replicate` cell, reads the sidebar and the status bar while it trains, clicks Stop, then stops
-a foreground run with the toolbar's Stop (a kernel interrupt) and inserts the template cell.
+a foreground run with the toolbar's Stop (a kernel interrupt) and inserts the template cell; at
+the end a run on a worker process leaves its warm pool, listed in the sidebar until its Shut down.
 Screenshots go to build/lab-extension/. Every process it starts is ended in `finally`.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import PROCESS_CELL, cluster_processes, wait_for
 from notebook_toy import TOY_CELL
 
 from workbench._src.sinks.labcomm import TARGET
@@ -232,6 +234,11 @@ def _write_notebook(path: Path) -> None:
         nbformat.v4.new_code_cell("first = %replicate step_fn input_fn --steps 3000\nfirst"),
         nbformat.v4.new_code_cell("second = %replicate step_fn input_fn --steps 2000 --no-live\nsecond"),
         nbformat.v4.new_code_cell(SCALING_CELL),
+        # A run on one worker process: its warm pool stays up after it (workbench/_src/launch/pool.py).
+        nbformat.v4.new_code_cell(
+            "%%replicate --backend multi-worker --workers 1 --steps 20 --no-live --name pooled\n"
+            + PROCESS_CELL.strip()
+        ),
     ]
     nbformat.write(nb, path)
 
@@ -501,7 +508,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                 page.set_default_timeout(WAIT_MS)
                 with _explained(page, tmp_path, "sidebar"):
                     page.goto(f"{base}/lab/tree/replicate.ipynb?reset&token={token}")
-                    expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(6)
+                    expect(page.locator(".jp-NotebookPanel .jp-Cell")).to_have_count(7)
                     # The kernel is up, the workbench not loaded yet: the sidebar says how to load it.
                     page.locator(".wb-toolbar-sidebar").first.click()
                     sidebar = page.locator(".wb-sidebar")
@@ -653,6 +660,32 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                     page.locator(".jp-Dialog button", has_text="Delete").click()
                     expect(rows).to_have_count(5)
                     assert not (tmp_path / "runs" / first_id).exists()
+
+                    # A run on a worker process keeps it up (a warm pool): the sidebar lists the
+                    # pool while it is idle, and its Shut down ends the process.
+                    sidebar.locator(".wb-tab-kernel").click()
+                    _make_current(page, "replicate.ipynb")
+                    cell = _cells(page, "replicate.ipynb").filter(has_text="--backend multi-worker")
+                    cell.locator(".jp-InputPrompt").click()
+                    page.keyboard.press("Shift+Enter")
+                    pooled = sidebar.locator(".wb-run[data-status=finished]", has_text="pooled")
+                    expect(pooled).to_have_count(1)
+                    pool = sidebar.locator(".wb-pools .wb-pool")
+                    expect(pool).to_have_count(1)
+                    expect(pool).to_have_attribute("data-state", "idle")
+                    expect(pool.locator(".wb-pool-text")).to_have_text(
+                        re.compile(
+                            r"^multi-worker \u00b7 1 worker \u00b7 1 process \u00b7 idle (< 1|\d+) min "
+                            r"\(ends after 10 min idle\)$"
+                        )
+                    )
+                    workers = [line for line in cluster_processes() if "worker_main" in line]
+                    assert len(workers) == 1, workers  # the pool's process, the kernel's child
+                    sidebar.locator(".wb-pools").scroll_into_view_if_needed()
+                    page.screenshot(path=str(SCREENSHOTS / "sidebar-pools.png"))
+                    sidebar.locator(".wb-shutdown-pools").click()
+                    expect(sidebar.locator(".wb-pools")).to_have_count(0)
+                    wait_for(lambda: not cluster_processes(), 10, "the pool's process to end")
             finally:
                 browser.close()
     finally:

@@ -88,11 +88,12 @@ function activate(
     compare: runIds => sendOrWarn({ type: 'compare', run_ids: runIds }),
     deleteRuns: runIds => void deleteRuns(runIds),
     renameRun: row => void renameRun(row),
-    tagRun: row => void tagRun(row)
+    tagRun: row => void tagRun(row),
+    shutdownPools: () => sendOrWarn({ type: 'shutdown_pools' })
   });
   sidebar.id = SIDEBAR_ID;
   sidebar.title.icon = replicasIcon;
-  sidebar.title.caption = 'Replicator: devices, replicator, runs';
+  sidebar.title.caption = 'Replicator: devices, replicator, worker pools, runs';
   app.shell.add(sidebar, 'right', { rank: 700 });
 
   const status = new ReplicatorStatus(() => void app.commands.execute(CommandIds.openSidebar));
@@ -249,12 +250,14 @@ function activate(
     }
   }
 
-  function sendOrWarn(data: JSONObject): void {
+  function sendOrWarn(data: JSONObject): boolean {
     if (!current || !current.send(data)) {
       Notification.warning('The workbench is not loaded in this notebook\u2019s kernel: run %load_ext workbench.', {
         autoClose: 5000
       });
+      return false;
     }
+    return true;
   }
 
   async function renameRun(row: IStoredRun): Promise<void> {

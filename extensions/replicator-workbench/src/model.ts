@@ -172,6 +172,28 @@ export function newlyEndedLongRuns(
   );
 }
 
+/**
+ * A warm worker pool of the kernel (workbench/_src/launch/pool.py `describe()`): the processes a
+ * process backend keeps up between runs of the same shape.
+ */
+export interface IPoolInfo {
+  backend: string;
+  workers: number;
+  processes: number;
+  /** 'busy' (a run has it), 'idle' (waits for the next run), 'retiring' (ends after its run). */
+  state: string;
+  /** Runs started on the pool. */
+  runs: number;
+  /** Seconds idle when the kernel sent the snapshot (0 unless idle). */
+  idle_seconds: number;
+  /** When it went idle, seconds since the epoch on the kernel's clock; null unless idle. */
+  idle_since: number | null;
+  /** It ends after this many seconds idle; null or 0: kept until shut down. */
+  idle_timeout: number | null;
+  /** A Ray pool's placement: "Ray (local): node-a, node-b". */
+  placement?: string;
+}
+
 export interface ISnapshot {
   type: 'snapshot';
   protocol: number;
@@ -180,6 +202,10 @@ export interface ISnapshot {
   runs: IRunInfo[];
   /** Runs at least this long raise a notification when they end unseen (WORKBENCH_NOTIFY_AFTER). */
   notify_after_seconds?: number;
+  /** The kernel's warm worker pools (none from a kernel side older than the pool list). */
+  pools?: IPoolInfo[];
+  /** When the snapshot arrived, seconds since the epoch on the browser's clock (set by parseSnapshot). */
+  received?: number;
 }
 
 /**
@@ -195,8 +221,11 @@ export interface IStopAction {
   run: IRunInfo | null;
 }
 
-/** A snapshot message from the kernel, or null when `data` is something else. */
-export function parseSnapshot(data: unknown): ISnapshot | null {
+/**
+ * A snapshot message from the kernel, or null when `data` is something else. `now`: when it
+ * arrived (seconds since the epoch), from which an idle pool's idle time is counted on.
+ */
+export function parseSnapshot(data: unknown, now: number = Date.now() / 1000): ISnapshot | null {
   if (typeof data !== 'object' || data === null) {
     return null;
   }
@@ -211,8 +240,81 @@ export function parseSnapshot(data: unknown): ISnapshot | null {
     replicator: (message.replicator as IReplicatorInfo | null) ?? null,
     runs: message.runs as IRunInfo[],
     notify_after_seconds:
-      typeof message.notify_after_seconds === 'number' ? message.notify_after_seconds : undefined
+      typeof message.notify_after_seconds === 'number' ? message.notify_after_seconds : undefined,
+    pools: Array.isArray(message.pools) ? (message.pools as IPoolInfo[]) : [],
+    received: now
   };
+}
+
+/**
+ * How long `pool` has been idle at `now` (seconds since the epoch, the browser's clock): the
+ * kernel's idle_seconds plus the time since the snapshot arrived, so a kernel whose clock differs
+ * from the browser's (a remote server) still reads right; 0 unless idle.
+ */
+export function poolIdleSeconds(pool: IPoolInfo, snapshot: ISnapshot, now: number = Date.now() / 1000): number {
+  if (pool.state !== 'idle') {
+    return 0;
+  }
+  if (typeof snapshot.received === 'number') {
+    return Math.max(0, (pool.idle_seconds ?? 0) + now - snapshot.received);
+  }
+  return typeof pool.idle_since === 'number' ? Math.max(0, now - pool.idle_since) : pool.idle_seconds ?? 0;
+}
+
+/** An idle time, coarse (the sidebar redraws it every 15 s): "< 1 min", "2 min", "1 h 5 min". */
+export function formatIdle(seconds: number): string {
+  const minutes = Math.floor(seconds / 60);
+  if (minutes < 1) {
+    return '< 1 min';
+  }
+  if (minutes < 60) {
+    return `${minutes} min`;
+  }
+  const rest = minutes % 60;
+  return rest ? `${Math.floor(minutes / 60)} h ${rest} min` : `${Math.floor(minutes / 60)} h`;
+}
+
+/** A setting in seconds, exact and without zero parts: 600 -> "10 min", 90 -> "1 min 30 s", 3600 -> "1 h". */
+export function formatSetting(seconds: number): string {
+  const s = Math.round(seconds);
+  const parts: string[] = [];
+  if (s >= 3600) {
+    parts.push(`${Math.floor(s / 3600)} h`);
+  }
+  if (Math.floor((s % 3600) / 60)) {
+    parts.push(`${Math.floor((s % 3600) / 60)} min`);
+  }
+  if (s % 60 || !parts.length) {
+    parts.push(`${s % 60} s`);
+  }
+  return parts.join(' ');
+}
+
+/**
+ * One pool's line in the sidebar: "multi-worker · 2 workers · 3 processes · idle 2 min (ends
+ * after 10 min idle)", "... · busy (run 3)", "... · ends after its run (run 3)".
+ */
+export function describePool(pool: IPoolInfo, idleSeconds: number): string {
+  const processes = `${pool.processes} ${pool.processes === 1 ? 'process' : 'processes'}`;
+  const parts = [pool.backend, plural(pool.workers, 'worker'), processes];
+  if (pool.state === 'idle') {
+    const ends = pool.idle_timeout
+      ? `ends after ${formatSetting(pool.idle_timeout)} idle`
+      : 'kept until shut down';
+    parts.push(`idle ${formatIdle(idleSeconds)} (${ends})`);
+  } else if (pool.state === 'busy') {
+    parts.push(`busy (run ${pool.runs})`);
+  } else if (pool.state === 'retiring') {
+    parts.push(`ends after its run (run ${pool.runs})`);
+  } else {
+    parts.push(pool.state);
+  }
+  return parts.join(' \u00b7 ');
+}
+
+/** The kernel's pools (an empty list when there are none or the kernel side predates them). */
+export function poolsOf(snapshot: ISnapshot | null): IPoolInfo[] {
+  return snapshot?.pools ?? [];
 }
 
 export function isRunning(run: IRunInfo): boolean {

@@ -1,5 +1,6 @@
 /**
- * The Replicator sidebar: devices, the session's replicator, active and recent runs with Stop.
+ * The Replicator sidebar: devices, the session's replicator, its warm worker pools with Shut
+ * down, active and recent runs with Stop.
  *
  * Plain DOM, redrawn from the latest snapshot (at most a few times a second: the kernel
  * rate-limits its pushes). Class names and data-* attributes are what the browser test reads.
@@ -12,6 +13,7 @@ import {
   describeConfig,
   describeDevices,
   describeEta,
+  describePool,
   describeProgress,
   describeReplicas,
   describeStatus,
@@ -23,6 +25,8 @@ import {
   IStoredRun,
   LinkState,
   LOAD_LINE,
+  poolIdleSeconds,
+  poolsOf,
   progressFraction,
   SortKey,
   sortAndFilter,
@@ -47,7 +51,15 @@ export interface ISidebarActions {
   renameRun(row: IStoredRun): void;
   /** Asks for the run's tags, then wb.tag_run in the kernel. */
   tagRun(row: IStoredRun): void;
+  /**
+   * Ends the kernel's warm worker pools (idle ones now, a busy one after its run); false when
+   * the request could not be sent.
+   */
+  shutdownPools(): boolean;
 }
+
+/** How often an idle pool's idle time is redrawn between snapshots (ms). */
+const POOL_TICK_MS = 15000;
 
 /**
  * The table's columns: few and narrow, so all fit the default sidebar width; the rest of a
@@ -68,6 +80,12 @@ export class ReplicatorSidebar extends Widget {
     super();
     this.addClass('wb-sidebar');
     this.render('no-kernel', null, '');
+    this._ticker = window.setInterval(() => this.updatePools(), POOL_TICK_MS);
+  }
+
+  dispose(): void {
+    window.clearInterval(this._ticker);
+    super.dispose();
   }
 
   /**
@@ -82,10 +100,12 @@ export class ReplicatorSidebar extends Widget {
       for (const run of snapshot.runs) {
         this._rows.get(run.id)?.(run);
       }
+      this.updatePools();
       return;
     }
     this._key = key;
     this._rows.clear();
+    this._poolTexts = [];
     const root = this.node;
     root.replaceChildren();
     root.dataset.state = state;
@@ -125,6 +145,10 @@ export class ReplicatorSidebar extends Widget {
       : 'none chosen yet: %replicate --backend mirrored --replicas 2';
     const template = button('Insert input_fn/step_fn cell', 'wb-insert', () => this.actions.insertTemplate());
     root.append(this.section('Session replicator', [el('div', 'wb-replicator', replText), template]));
+    const pools = this.poolsSection(snapshot);
+    if (pools) {
+      root.append(pools);
+    }
     const active = snapshot.runs.filter(isRunning);
     const recent = snapshot.runs.filter(r => !isRunning(r));
     root.append(
@@ -310,6 +334,60 @@ export class ReplicatorSidebar extends Widget {
     return line;
   }
 
+  /**
+   * The kernel's warm worker pools, one line each, and one Shut down for all; null when there
+   * are none. The idle times are redrawn in place (updatePools).
+   */
+  private poolsSection(snapshot: ISnapshot): HTMLElement | null {
+    const pools = poolsOf(snapshot);
+    if (!pools.length) {
+      return null;
+    }
+    const lines = pools.map(pool => {
+      const line = el('div', 'wb-pool');
+      line.dataset.backend = pool.backend;
+      line.dataset.state = pool.state;
+      const text = el('span', 'wb-pool-text');
+      this._poolTexts.push(text);
+      line.append(text);
+      if (pool.placement) {
+        line.append(el('div', 'wb-pool-placement', pool.placement));
+      }
+      return line;
+    });
+    this.updatePools();
+    const shut = button('Shut down', 'wb-shutdown-pools', () => {
+      // Until the next snapshot redraws the section (the kernel answers when its shell is free).
+      if (this.actions.shutdownPools()) {
+        shut.disabled = true;
+        shut.textContent = 'Shutting down\u2026';
+      }
+    });
+    shut.title =
+      'End these worker processes: idle pools now, a busy one after its run (the next run starts fresh ones)';
+    shut.disabled = pools.every(p => p.state === 'retiring');
+    const node = this.section('Worker pools', [...lines, shut]);
+    node.classList.add('wb-pools');
+    node.title =
+      'Worker processes kept up between runs of the same shape: the next such run starts in about a second';
+    return node;
+  }
+
+  /** Redraws the pool lines' text (an idle pool's idle time goes on between snapshots). */
+  private updatePools(): void {
+    const snapshot = this._last[1];
+    if (!snapshot || !this._poolTexts.length) {
+      return;
+    }
+    const now = Date.now() / 1000;
+    poolsOf(snapshot).forEach((pool, i) => {
+      const text = this._poolTexts[i];
+      if (text) {
+        text.textContent = describePool(pool, poolIdleSeconds(pool, snapshot, now));
+      }
+    });
+  }
+
   private section(title: string, children: HTMLElement[]): HTMLElement {
     const node = el('section', 'wb-section');
     node.append(el('h3', 'wb-section-title', title), ...children);
@@ -383,6 +461,8 @@ export class ReplicatorSidebar extends Widget {
   private _text = '';
   private _table: HTMLElement = el('table', 'wb-runs-table');
   private _rows = new Map<string, (run: IRunInfo) => void>();
+  private _poolTexts: HTMLElement[] = [];
+  private _ticker = 0;
   private _store = el('section', 'wb-section wb-store');
   private _storedRows: IStoredRun[] = [];
   private _selected = new Set<string>();
@@ -391,14 +471,15 @@ export class ReplicatorSidebar extends Widget {
   private _backend: string | null = null;
 }
 
-/** Everything but the numbers of a run: when it changes, the sidebar is rebuilt. */
+/** Everything but the numbers of a run and a pool's idle time: when it changes, the sidebar is rebuilt. */
 function structureKey(state: LinkState, snapshot: ISnapshot | null, notebookName: string): string {
   return JSON.stringify([
     state,
     notebookName,
     snapshot?.devices ?? null,
     snapshot?.replicator ?? null,
-    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason])
+    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason]),
+    poolsOf(snapshot).map(p => [p.backend, p.workers, p.processes, p.state, p.runs, p.idle_timeout, p.placement])
   ]);
 }
 

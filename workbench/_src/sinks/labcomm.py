@@ -5,7 +5,11 @@ session (the devices, the session's replicator, the recent runs with their step,
 throughput) and pushes it to every open comm of target TARGET as one "snapshot" message:
 
   kernel -> frontend  {"type": "snapshot", "protocol": 1, "devices": {...}, "replicator": {...}|None,
-                       "runs": [run, ...] (newest first), "notify_after_seconds": s}
+                       "runs": [run, ...] (newest first), "notify_after_seconds": s,
+                       "pools": [pool, ...]}  (this kernel's warm worker pools, launch/pool.py:
+                       each pool's describe(): backend, workers, processes, state "busy" | "idle"
+                       | "retiring", runs, idle_seconds, idle_since (epoch s) | None,
+                       idle_timeout (s) | None, and "placement" for a Ray pool)
                       {"type": "figure", "run_id", "name", "png": base64}     (reply to "figure")
                       {"type": "error", "text"}
                       {"type": "runs", "rows": [...]}   (reply to "runs": the run store, wb.runs())
@@ -18,16 +22,22 @@ throughput) and pushes it to every open comm of target TARGET as one "snapshot" 
                       {"type": "rename", "run_id", "name"}, {"type": "tag", "run_id", "tags": [...]}
                       (wb.rename_run / wb.tag_run; answered with "runs" and a snapshot),
                       {"type": "export", "run_id": id, "what": "csv" | "figure"},
-                      {"type": "theme", "dark": bool} (on connecting and on a theme switch)
+                      {"type": "theme", "dark": bool} (on connecting and on a theme switch),
+                      {"type": "shutdown_pools"} (pool.shutdown(): the idle pools end now, a busy
+                      one after its run; answered with a snapshot)
 
 Every figure a run shows (steps, steps/s, examples/s, ETA) comes from workbench._src.core.run_stats,
 as in wb.Run.summary(), the dashboard and the run store.
 
 Nothing polls: a run's sink pushes when something changes, at most 1/MIN_INTERVAL times a second
-per run (started and ended always go out). A frontend message reaches the kernel only when its
-shell is free: a background run can be stopped with "stop"; a foreground run keeps the shell
-busy, so the frontend interrupts the kernel instead (the run loop turns that into a clean stop)
-and the run's "foreground" field tells it which to do.
+per run (started and ended always go out); a warm pool that starts, is taken by a run, goes idle
+or ends pushes too (pool.observe calls back from whichever thread changed it). An idle pool's
+idle time is counted on in the browser, from the snapshot's idle_seconds and the time since it
+arrived (not from idle_since against the browser's clock: a remote kernel's clock may differ).
+A frontend message reaches the kernel only when its shell is free: a background run can be
+stopped with "stop"; a foreground run keeps the shell busy, so the frontend interrupts the
+kernel instead (the run loop turns that into a clean stop) and the run's "foreground" field tells
+it which to do. "shutdown_pools" sent during a foreground run waits for that run's end.
 
 Both sides open comms: the kernel one in register(), so a sidebar already open learns at once
 that `%load_ext workbench` ran; a frontend connecting later finds that comm with a comm_info
@@ -46,6 +56,7 @@ from collections import OrderedDict
 
 from workbench._src.core.run_stats import RESERVED, figures, shown_reason
 from workbench._src.core.tf_setup import device_summary
+from workbench._src.launch import pool as warm_pools  # (no TensorFlow: the registry and its processes)
 from workbench._src.notebook import session
 from workbench._src.plots import theme
 from workbench._src.sinks import register_default, runstore
@@ -87,6 +98,7 @@ def register(ipython=None) -> bool:
         comm.get_comm_manager().register_target(TARGET, _on_open)
         register_default(_watch)
         session.observe(_on_session_change)
+        warm_pools.observe(_on_pools_change)
         _describe_session()
         _registered = True
         # A sidebar that was told "not loaded" learns that it now is.
@@ -108,6 +120,7 @@ def snapshot() -> dict:
             "replicator": _replicator,
             "runs": runs,
             "notify_after_seconds": _notify_after(),
+            "pools": _pools_info(),
         }
 
 
@@ -144,8 +157,8 @@ def _drop_comm(comm) -> None:
 
 
 def _push(message: dict | None = None) -> None:
-    message = message or snapshot()
-    with _lock:  # one sender at a time: snapshots arrive in order
+    with _lock:  # one sender at a time, the snapshot taken under the lock: snapshots arrive in order
+        message = message or snapshot()
         for comm in list(_comms):
             try:
                 comm.send(message)
@@ -167,6 +180,9 @@ def _on_msg(comm, msg) -> None:
         comm.send(_store_request(kind, data))
         if kind in ("delete", "rename", "tag"):
             _push()  # every open sidebar (other notebooks too) hears of it at once
+    elif kind == "shutdown_pools":  # the sidebar's Shut down (the panel's button does the same)
+        warm_pools.shutdown(reason="Shut down in the sidebar")  # (its change pushes to every sidebar)
+        comm.send(snapshot())
     elif kind == "theme":  # the page's theme: figures drawn from now on follow it
         theme.set_dark(bool(data.get("dark")))
     elif kind in ("refresh", "hello"):
@@ -289,6 +305,22 @@ def _describe_session() -> None:
     info = dict(repl.describe())
     info.update({k: v for k, v in (session.current_choice() or {}).items() if v is not None})
     _replicator = _jsonable(info)
+
+
+def _on_pools_change() -> None:
+    _push()
+
+
+def _pools_info() -> list[dict]:
+    """This kernel's live warm pools, as their describe() says (no TensorFlow call, no pool lock
+    held while describing)."""
+    found = []
+    for pool in warm_pools.live_pools():
+        try:
+            found.append(_jsonable(pool.describe()))
+        except Exception:  # noqa: BLE001 - a pool ending meanwhile must not break the snapshot
+            continue
+    return found
 
 
 def _device_info() -> dict:
