@@ -189,12 +189,6 @@ def test_workbench_run_places_the_workers_on_ray_from_the_command_line(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="issue 22, open: in a fresh-clone CI-like run the async coordinator actor went silent "
-    "(no heartbeat for 10 s) some 1,150 steps after a worker actor was killed; it passed when run "
-    "alone. Not understood yet: the fault table's async row is not met on Ray.",
-    strict=False,
-)
 def test_a_killed_async_worker_actor_lets_training_go_on(ray_cluster):
     repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
     try:
@@ -207,6 +201,8 @@ def test_a_killed_async_worker_actor_lets_training_go_on(ray_cluster):
         assert len(run.history) == 4000
         said = [e.data.get("text", "") for e in run.events if e.kind == "message"]
         assert any("worker 1" in t and victim["node"] in t and "other workers" in t for t in said), said
+        # (a chunk whose result was still on the killed worker is run again, not a failure: the
+        # UnavailableError that once ended this run at step 50, async_coordinator._lost_or_raise)
     finally:
         repl.shutdown()
     assert _placement_groups_alive() == []
