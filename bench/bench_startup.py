@@ -120,6 +120,9 @@ def main() -> None:
             print(f"  {name:<16} first start-up / pool=False's     {first:5.2f}  (goal <= 0.6)")
         chosen = results[name, "chosen"]["wall"] / inproc
         print(f"  {name:<16} first run after choosing / in-process re-run {chosen:5.2f}")
+        if not args.skip_anchor:
+            chosen = results[name, "chosen"]["wall"] / results[name, "old"]["wall"]
+            print(f"  {name:<16} first run after choosing / pool=False's first run (wall) {chosen:5.2f}")
 
 
 if __name__ == "__main__":
