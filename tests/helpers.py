@@ -6,9 +6,11 @@ import tests/.
 
 from __future__ import annotations
 
+import queue
 import socket
 import sys
 import time
+import uuid
 
 import cloudpickle
 import numpy as np
@@ -164,3 +166,55 @@ def nan_after_fifty_setup(repl):
         return {"loss": tf.math.log(50.5 - w)}  # NaN once 50 steps have run, on any worker
 
     return step_fn, regression_input_fn
+
+
+class LabFrontend:
+    """What JupyterLab's side of the workbench comm does, over jupyter_client (`kc`, a kernel
+    client): open it, send, read replies. The comm is the only stand-in: the kernel is real."""
+
+    def __init__(self, kc, opened_by_kernel: bool = False):
+        # A comm the kernel opens gets its id from the comm_open message read().
+        self.kc, self.comm_id = kc, "" if opened_by_kernel else uuid.uuid4().hex
+
+    def open(self) -> None:
+        from workbench._src.sinks.labcomm import TARGET
+
+        self._shell("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {"type": "hello"}})
+
+    def send(self, data: dict) -> None:
+        self._shell("comm_msg", {"comm_id": self.comm_id, "data": data})
+
+    def snapshots(self, until, timeout: float = 60) -> list[dict]:
+        """This comm's snapshots, in order, up to the first for which `until(snapshot)` holds
+        (an "error" message fails the test)."""
+
+        def done(kind, data):
+            assert data.get("type") != "error", data
+            return data.get("type") == "snapshot" and until(data)
+
+        return [d for _, _, d in self.read(done, timeout) if d.get("type") == "snapshot"]
+
+    def _shell(self, msg_type: str, content: dict) -> None:
+        self.kc.shell_channel.send(self.kc.session.msg(msg_type, content))
+
+    def read(self, until, timeout: float = 60) -> list[tuple[float, str, dict]]:
+        """This comm's messages (time, type, data) until `until(type, data)` holds (None: all
+        that arrive within `timeout`)."""
+        from workbench._src.sinks.labcomm import TARGET
+
+        got, deadline = [], time.time() + timeout
+        while time.time() < deadline:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=min(1.0, max(0.01, deadline - time.time())))
+            except queue.Empty:
+                continue
+            content = msg["content"]
+            if msg["msg_type"] == "comm_open" and content.get("target_name") == TARGET and not self.comm_id:
+                self.comm_id = content["comm_id"]  # the comm the kernel opened
+            if msg["msg_type"].startswith("comm_") and content.get("comm_id") == self.comm_id:
+                got.append((time.time(), msg["msg_type"], content.get("data") or {}))
+                if until is not None and until(msg["msg_type"], got[-1][2]):
+                    return got
+        if until is None:
+            return got
+        raise AssertionError(f"no such message within {timeout} s; received {[m[1:] for m in got][-3:]}")

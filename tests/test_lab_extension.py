@@ -15,7 +15,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import queue
 import re
 import secrets
 import shutil
@@ -25,15 +24,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
 import nbformat
 import pytest
-from helpers import PROCESS_CELL, cluster_processes, wait_for
+from helpers import PROCESS_CELL, LabFrontend, cluster_processes, wait_for
 from notebook_toy import TOY_CELL
-
-from workbench._src.sinks.labcomm import TARGET
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTENSION = ROOT / "extensions" / "replicator-workbench"
@@ -74,43 +70,6 @@ def test_pip_install_enabled_the_extension():
     )
 
 
-class _Frontend:
-    """What JupyterLab's side of the comm does, over jupyter_client: open it, send, read replies."""
-
-    def __init__(self, kc, opened_by_kernel: bool = False):
-        # A comm the kernel opens gets its id from the comm_open message read().
-        self.kc, self.comm_id = kc, "" if opened_by_kernel else uuid.uuid4().hex
-
-    def open(self) -> None:
-        self._shell("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {"type": "hello"}})
-
-    def send(self, data: dict) -> None:
-        self._shell("comm_msg", {"comm_id": self.comm_id, "data": data})
-
-    def _shell(self, msg_type: str, content: dict) -> None:
-        self.kc.shell_channel.send(self.kc.session.msg(msg_type, content))
-
-    def read(self, until, timeout: float = 60) -> list[tuple[float, str, dict]]:
-        """This comm's messages (time, type, data) until `until(type, data)` holds (None: all
-        that arrive within `timeout`)."""
-        got, deadline = [], time.time() + timeout
-        while time.time() < deadline:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(1.0, max(0.01, deadline - time.time())))
-            except queue.Empty:
-                continue
-            content = msg["content"]
-            if msg["msg_type"] == "comm_open" and content.get("target_name") == TARGET and not self.comm_id:
-                self.comm_id = content["comm_id"]  # the comm the kernel opened
-            if msg["msg_type"].startswith("comm_") and content.get("comm_id") == self.comm_id:
-                got.append((time.time(), msg["msg_type"], content.get("data") or {}))
-                if until is not None and until(msg["msg_type"], got[-1][2]):
-                    return got
-        if until is None:
-            return got
-        raise AssertionError(f"no such message within {timeout} s; received {[m[1:] for m in got][-3:]}")
-
-
 def _run0(data: dict) -> dict:
     runs = data.get("runs") or [{}]
     return runs[0]
@@ -125,17 +84,17 @@ def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
     try:
         # No helper loaded: the kernel closes the comm (the sidebar then says how to load it).
-        early = _Frontend(kc)
+        early = LabFrontend(kc)
         early.open()
         early.read(lambda kind, data: kind == "comm_close")
         # %load_ext opens a comm from the kernel with a snapshot; choosing a replicator pushes one.
         kc.execute("%load_ext workbench\n%replicate --backend mirrored --replicas 2")
-        pushed = _Frontend(kc, opened_by_kernel=True)
+        pushed = LabFrontend(kc, opened_by_kernel=True)
         (opened,) = pushed.read(lambda kind, data: kind == "comm_open")
         assert opened[2]["type"] == "snapshot" and opened[2]["devices"]["virtual_cpus"] == 8
         pushed.read(lambda kind, data: (data.get("replicator") or {}).get("num_replicas") == 2)
         # A sidebar connecting later gets the snapshot as the answer to its open.
-        sidebar = _Frontend(kc)
+        sidebar = LabFrontend(kc)
         sidebar.open()
         ((_, _, hello),) = sidebar.read(lambda kind, data: data.get("type") == "snapshot")
         assert (hello["replicator"]["backend"], hello["replicator"]["num_replicas"]) == ("mirrored", 2)

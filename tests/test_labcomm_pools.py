@@ -13,13 +13,11 @@ from __future__ import annotations
 import ast
 import queue
 import time
-import uuid
 from pathlib import Path
 
 import psutil
 import pytest
-
-from workbench._src.sinks.labcomm import TARGET
+from helpers import LabFrontend
 
 TESTS = Path(__file__).resolve().parent
 
@@ -33,41 +31,6 @@ from helpers import regression_setup
 """
 TRAIN = "run = wb.MultiWorkerReplicator(num_workers=1{}).train(setup=regression_setup, steps=10)"
 RUN = {"pids": "[p['pid'] for p in run.processes]", "status": "run.status"}
-
-
-class _Sidebar:
-    """JupyterLab's end of one comm of TARGET, over jupyter_client (test modules do not import each
-    other: this is test_lab_extension.py's _Frontend, cut to what this test needs)."""
-
-    def __init__(self, kc):
-        self.kc, self.comm_id = kc, uuid.uuid4().hex
-
-    def open(self) -> None:
-        self._shell("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {"type": "hello"}})
-
-    def send(self, data: dict) -> None:
-        self._shell("comm_msg", {"comm_id": self.comm_id, "data": data})
-
-    def _shell(self, msg_type: str, content: dict) -> None:
-        self.kc.shell_channel.send(self.kc.session.msg(msg_type, content))
-
-    def snapshots(self, until, timeout: float = 60) -> list[dict]:
-        """This comm's snapshots, in order, up to the first for which `until(snapshot)` holds."""
-        got, deadline = [], time.time() + timeout
-        while time.time() < deadline:
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(1.0, max(0.01, deadline - time.time())))
-            except queue.Empty:
-                continue
-            content = msg["content"]
-            if msg["msg_type"] == "comm_msg" and content.get("comm_id") == self.comm_id:
-                data = content.get("data") or {}
-                assert data.get("type") != "error", data
-                if data.get("type") == "snapshot":
-                    got.append(data)
-                    if until(data):
-                        return got
-        raise AssertionError(f"no such snapshot within {timeout} s; the last: {got[-1:]}")
 
 
 def _execute(kc, code: str, expressions: dict | None = None, timeout: float = 60) -> dict:
@@ -105,7 +68,7 @@ def test_the_sidebar_lists_the_warm_pool_and_shuts_it_down(tmp_path, monkeypatch
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
     try:
         _execute(kc, "%load_ext workbench")
-        sidebar = _Sidebar(kc)
+        sidebar = LabFrontend(kc)
         sidebar.open()
         (hello,) = sidebar.snapshots(lambda s: True)
         assert hello["pools"] == []
