@@ -134,3 +134,37 @@ def test_panel_uses_the_shell_namespace_by_default(ns):
         assert run.history["global_step"].tolist() == [2, 3, 4, 5, 6]
     finally:
         p.close()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_orphans")
+def test_run_on_a_process_backend_sends_the_last_replicate_cell(tmp_path):
+    """The notebook's model trains on multi-worker from the panel: Run sends the last %%replicate
+    cell to the processes (as the magic does) and the trained weights come back into `model`."""
+    from helpers import PROCESS_CELL
+
+    shell = ipython_shell()
+    with isolated_notebook_state(tmp_path / "runs"):
+        shell.run_cell_magic("replicate", "--backend single --steps 5 --no-live", PROCESS_CELL)
+        before = shell.user_ns["model"].get_weights()[0].copy()
+        p = wb.ui.panel()
+        try:
+            p.backend, p.workers, p.steps = "multi-worker", 1, 30
+            run = p.start()
+            assert run is not None, p.status
+            run.wait(120)
+            assert run.status == "finished" and run.steps == p.steps, run.stop_reason
+            assert [q["role"] for q in run.processes] == ["worker"]
+            after = shell.user_ns["model"].get_weights()[0]
+            assert not (after == before).all()  # the chief's weights, loaded into the cell's model
+            wait_for(lambda: p.status.startswith(f"{run.name} finished"))
+        finally:
+            p.close()
+
+
+@pytest.mark.usefixtures("no_orphans")  # (choosing multi-worker started its pool in the background)
+def test_run_on_a_process_backend_without_a_replicate_cell_says_what_to_do(panel):
+    panel.backend, panel.workers = "multi-worker", 2
+    panel._run_button.click()
+    assert panel.run is None
+    assert "needs the cell that builds it. Fix: run a %%replicate cell" in panel.status, panel.status

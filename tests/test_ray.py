@@ -132,6 +132,27 @@ def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ra
 
 
 @pytest.mark.slow
+def test_a_killed_parameter_server_actor_ends_an_async_run_naming_it(ray_cluster):
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
+    try:
+        run = repl.train(setup=regression_setup, steps=100_000, background=True)
+        wait_for_steps(run, 50)
+        victim = next(p for p in run.processes if p["role"] == "ps")
+        killed = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        with pytest.raises(wb.WorkerError) as caught:
+            run.wait(timeout=60)
+        seconds = time.monotonic() - killed
+        text = str(caught.value)
+        assert "ps 0" in text and victim["node"] in text and str(victim["pid"]) in text, text
+        assert seconds < 30, f"the death was reported after {seconds:.0f} s"
+        assert run.status == "failed" and len(run.history) >= 50  # what ran is kept
+    finally:
+        repl.shutdown()
+    assert _placement_groups_alive() == []
+
+
+@pytest.mark.slow
 def test_a_placement_the_cluster_cannot_meet_is_a_clear_error_within_startup_timeout(ray_cluster):
     impossible = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5, "GPU": 1}, placement="spread")
     repl = wb.MultiWorkerReplicator(num_workers=4, cluster=impossible, startup_timeout=5)

@@ -224,6 +224,7 @@ class ReplicateMagics(Magics):
             raise UsageError("How many steps? Fix: start the cell with %%replicate --steps 300.")
         repl = self._choose(args)
         self.shell.user_ns["repl"] = repl
+        session.remember_replicate_cell(self.shell.transform_cell(cell))  # (the panel's Run sends it)
         if getattr(repl, "runs_in_processes", False):
             # multi-worker: the cell runs here (to define its names and model) and in every
             # worker process; the trained weights come back into this cell's variables.

@@ -162,10 +162,21 @@ class Panel(w.VBox):
 
     # ----- Run and Stop ---------------------------------------------------------------------
     def start(self):
-        """What the Run button does: trains the namespace's step_fn/input_fn in the background."""
+        """What the Run button does: trains in the background, on the chosen backend, the
+        notebook's step_fn/input_fn (in-process backends) or the last `%%replicate` cell (process
+        backends: the cell's source travels to the processes, as the magic sends it)."""
         ns = self._user_namespace()
+        in_processes = self._spec.in_processes
+        cell = session.last_replicate_cell() if in_processes else None
         missing = [n for n in ("step_fn", "input_fn") if not callable(ns.get(n))]
-        if missing:
+        if in_processes and cell is None:
+            self.status = (
+                f"error: {self.backend} runs the model in its own processes, so it needs the cell that "
+                "builds it. Fix: run a %%replicate cell (e.g. `%%replicate --steps 1` with the model, "
+                "step_fn and input_fn) once, then Run: the panel sends the last one."
+            )
+            return None
+        if missing and not in_processes:
             self.status = (
                 f"error: {' and '.join(missing)} not defined in the notebook. Fix: define "
                 "input_fn(ctx) and step_fn(batch) in a cell (or a %%replicate cell), then Run."
@@ -180,9 +191,21 @@ class Panel(w.VBox):
         dashboard = Dashboard(display=False, frontend="widgets")
         self._live.children = [dashboard.widget]
         try:
-            run = session.train(
-                repl, ns["step_fn"], ns["input_fn"], self.steps, background=True, dashboard=dashboard
-            )
+            if in_processes:
+                run = session.train(
+                    repl,
+                    None,
+                    None,
+                    self.steps,
+                    background=True,
+                    dashboard=dashboard,
+                    cell=cell,
+                    namespace=ns,
+                )
+            else:
+                run = session.train(
+                    repl, ns["step_fn"], ns["input_fn"], self.steps, background=True, dashboard=dashboard
+                )
         except Exception as e:  # noqa: BLE001
             self._live.children = []
             self.status = f"error: {type(e).__name__}: {e}"

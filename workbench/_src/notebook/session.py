@@ -24,6 +24,7 @@ _lock = threading.RLock()
 _current = None  # the session's Replicator
 _choice: dict | None = None  # the options it was built from; None when set as an object
 _observers: list[Callable[[Any, dict | None], None]] = []
+_last_cell: str | None = None  # the last %%replicate cell's source (the panel sends it to processes)
 
 
 def normalize_backend(name: str) -> str:
@@ -141,6 +142,17 @@ def current_choice() -> dict | None:
         return dict(_choice) if _choice else None
 
 
+def remember_replicate_cell(source: str) -> None:
+    """The magic keeps the source of the last `%%replicate` cell it ran (transformed: magics and
+    shell escapes inside are Python already): the panel trains a process backend with it."""
+    global _last_cell
+    _last_cell = source
+
+
+def last_replicate_cell() -> str | None:
+    return _last_cell
+
+
 def observe(callback: Callable[[Any, dict | None], None]) -> Callable[[], None]:
     """Calls callback(replicator, choice) whenever the session's replicator changes.
 
@@ -153,9 +165,9 @@ def observe(callback: Callable[[Any, dict | None], None]) -> Callable[[], None]:
 
 def reset() -> None:
     """Forgets the session's replicator (tests; a fresh start in a long-lived kernel)."""
-    global _current, _choice
+    global _current, _choice, _last_cell
     with _lock:
-        _current, _choice = None, None
+        _current, _choice, _last_cell = None, None, None
 
 
 def magic_line(
