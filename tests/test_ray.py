@@ -250,3 +250,20 @@ def test_the_panel_places_workers_on_ray_and_shows_the_cluster(ray_cluster, tmp_
             assert panel.cluster_text == ""
         finally:
             panel.close()
+
+
+def test_a_killed_kernels_ray_temp_root_is_removed_by_the_next_local_instance(tmp_path):
+    """A kernel killed by a signal (nbval, JupyterLab's shutdown) runs no exit hook: its local Ray
+    instance's temp root stays. The next process that starts one removes the roots of owners that
+    are gone, and only those."""
+    from workbench._src.launch.ray_cluster import remove_roots_of_dead_owners
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead_root = tmp_path / f"wbray-{gone.pid}-abc123"
+    live_root = tmp_path / f"wbray-{os.getpid()}-def456"
+    other = tmp_path / "wbray-notours"
+    for folder in (dead_root / "ray" / "session_latest", live_root / "ray", other):
+        folder.mkdir(parents=True)
+    assert remove_roots_of_dead_owners(str(tmp_path)) == [dead_root.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_root.name, other.name])

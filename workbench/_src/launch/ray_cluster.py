@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -204,7 +205,9 @@ def _private_ray_root(ray) -> str:
     inside must stay under 108 bytes, so /tmp when TMPDIR is long. Also keeps the instance from
     taking over the machine's /tmp/ray (another cluster's address file is there)."""
     base = tempfile.gettempdir()
-    root = tempfile.mkdtemp(prefix="wbray-", dir=base if len(base) <= 24 else "/tmp")
+    base = base if len(base) <= 24 else "/tmp"
+    remove_roots_of_dead_owners(base)
+    root = tempfile.mkdtemp(prefix=f"wbray-{os.getpid()}-", dir=base)
 
     def remove():
         with contextlib.suppress(Exception):
@@ -219,6 +222,31 @@ def _private_ray_root(ray) -> str:
 
     atexit.register(remove)
     return root
+
+
+def remove_roots_of_dead_owners(base: str) -> list[str]:
+    """Removes the Ray temp roots (`wbray-<pid>-*` in `base`) of processes that are gone: a
+    kernel killed by a signal ran no exit hook (nbval and JupyterLab kill kernels that do not
+    stop at once), and Ray's processes ended with it, but its folder stayed. A root whose owner
+    runs, or whose pid now belongs to another process, is left alone. Returns what it removed."""
+    removed = []
+    for entry in os.listdir(base):
+        found = re.fullmatch(r"wbray-(\d+)-\w+", entry)
+        if found is None or _pid_runs(int(found.group(1))):
+            continue
+        shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def import_ray():
