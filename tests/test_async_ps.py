@@ -210,7 +210,7 @@ def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
     """The coordinator re-runs a chunk whose fetch failed with a worker (on servers it does not
     watch: a Ray pool, a real cluster), and not one that failed with a parameter server. These are
     the errors TensorFlow raised: the first seen on Ray when a worker actor was killed mid-run."""
-    from workbench._src.backends.async_coordinator import _lost_with_a_worker
+    from workbench._src.backends.async_coordinator import _worker_lost_with
 
     with_worker = (
         "2 root error(s) found.\n  (0) UNAVAILABLE: {{function_node __wrapped__Identity_device_/job:chief/"
@@ -219,7 +219,7 @@ def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
         "error information from remote target /job:worker/replica:0/task:1/device:CPU:0 while calling "
         "/tensorflow.eager.EagerService/RunComponentFunction:"
     )
-    assert _lost_with_a_worker(with_worker)
-    assert not _lost_with_a_worker(with_worker.replace("/job:worker/", "/job:ps/"))
-    assert not _lost_with_a_worker(with_worker + " and /job:ps/replica:0/task:0/device:CPU:0")
-    assert not _lost_with_a_worker("UNAVAILABLE: Socket closed")  # no task named: not ours to guess
+    assert _worker_lost_with(with_worker) == "worker 1"
+    assert not _worker_lost_with(with_worker.replace("/job:worker/", "/job:ps/"))
+    assert not _worker_lost_with(with_worker + " and /job:ps/replica:0/task:0/device:CPU:0")
+    assert not _worker_lost_with("UNAVAILABLE: Socket closed")  # no task named: not ours to guess

@@ -61,6 +61,19 @@ def _placement_groups_alive() -> list[str]:
     return [pg_id for pg_id, info in placement_group_table().items() if info["state"] != "REMOVED"]
 
 
+def _kill_and_expect_a_worker_error_naming(run, victim: dict, who: str) -> None:
+    """SIGKILLs the `victim` process (of run.processes); the run must fail within 30 s with a
+    WorkerError naming it (`who`, e.g. "worker 1"), its node and its pid."""
+    killed = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    with pytest.raises(wb.WorkerError) as caught:
+        run.wait(timeout=60)
+    seconds = time.monotonic() - killed
+    text = str(caught.value)
+    assert who in text and victim["node"] in text and str(victim["pid"]) in text, text
+    assert seconds < 30, f"the death was reported after {seconds:.0f} s"
+
+
 @pytest.mark.slow
 def test_sync_run_on_ray_equals_the_local_launcher_and_leaves_nothing_after_shutdown(ray_cluster):
     ns_local, ns_ray = {}, {}
@@ -114,14 +127,7 @@ def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ra
         (victim_member,) = [m for m in repl.launcher.pool.group.children if m.pid == victim["pid"]]
         victim_tmp = victim_member.tmp_dir  # its own temp folder (AutoGraph's files are there)
         assert os.path.isdir(victim_tmp), victim_tmp
-        killed = time.monotonic()
-        os.kill(victim["pid"], signal.SIGKILL)
-        with pytest.raises(wb.WorkerError) as caught:
-            run.wait(timeout=60)
-        seconds = time.monotonic() - killed
-        text = str(caught.value)
-        assert "worker 1" in text and victim["node"] in text and str(victim["pid"]) in text, text
-        assert seconds < 30, f"the death was reported after {seconds:.0f} s"
+        _kill_and_expect_a_worker_error_naming(run, victim, "worker 1")
         assert run.status == "failed"
         assert len(run.history) >= 20  # what ran is kept
     finally:
@@ -138,14 +144,7 @@ def test_a_killed_parameter_server_actor_ends_an_async_run_naming_it(ray_cluster
         run = repl.train(setup=regression_setup, steps=100_000, background=True)
         wait_for_steps(run, 50)
         victim = next(p for p in run.processes if p["role"] == "ps")
-        killed = time.monotonic()
-        os.kill(victim["pid"], signal.SIGKILL)
-        with pytest.raises(wb.WorkerError) as caught:
-            run.wait(timeout=60)
-        seconds = time.monotonic() - killed
-        text = str(caught.value)
-        assert "ps 0" in text and victim["node"] in text and str(victim["pid"]) in text, text
-        assert seconds < 30, f"the death was reported after {seconds:.0f} s"
+        _kill_and_expect_a_worker_error_naming(run, victim, "ps 0")
         assert run.status == "failed" and len(run.history) >= 50  # what ran is kept
     finally:
         repl.shutdown()

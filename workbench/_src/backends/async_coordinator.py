@@ -133,12 +133,11 @@ class CoordinatorExecutor:
             raise _translated_input_error(error) from None
         if self.repl.servers is not None:
             return None  # our own servers: the PS and a worker are alive (checked above)
-        if _lost_with_a_worker(str(error)):
+        name = _worker_lost_with(str(error))
+        if name:
             # Servers we do not watch (a Ray pool's actors, a real cluster's hosts): the error
             # names the worker and no parameter server. A lost PS is the launcher's to report,
             # or TensorFlow's next error names it.
-            found = _TASK_INDEX.search(str(error).split("remote target", 1)[-1])
-            name = f"worker {found.group(1)}" if found else "a worker"
             if name not in self.unreachable and self.run is not None:
                 self.unreachable.add(name)  # (once per worker: TensorFlow keeps retrying it)
                 self.run.publish(
@@ -193,15 +192,16 @@ class CoordinatorExecutor:
             )
 
 
-_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:\d+")
-_TASK_INDEX = re.compile(r"/job:worker/replica:\d+/task:(\d+)")
+_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 
 
-def _lost_with_a_worker(text: str) -> bool:
-    """Whether a fetch's error names a worker and no parameter server: "... from remote target
-    /job:worker/replica:0/task:1 ..." (the coordinator itself is /job:chief)."""
-    jobs = set(_TASK.findall(text)) - {"chief"}
-    return jobs == {"worker"}
+def _worker_lost_with(text: str) -> str | None:
+    """ "worker N" when a fetch's error names that worker and no parameter server ("... from
+    remote target /job:worker/replica:0/task:1 ..."; the coordinator itself is /job:chief)."""
+    tasks = {(job, int(index)) for job, index in _TASK.findall(text) if job != "chief"}
+    if not tasks or any(job != "worker" for job, _ in tasks):
+        return None
+    return f"worker {min(index for _, index in tasks)}"
 
 
 def _translated_input_error(error):

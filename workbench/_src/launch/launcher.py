@@ -109,11 +109,10 @@ class Launcher:
         watch = _Watch(self, pool, run, payload, timeout)
         healthy, reason = False, ""
         try:
-            if not pool.started:
-                pool.start()
-                pool.started = True
-            elif not pool.fresh:  # (a fresh pool started in the background: its hellos are queued)
+            if not pool.fresh:
                 pool.send_work(payload, watch.number)
+            elif not pool.started_in_background:  # (if it was, its processes' hellos are queued)
+                pool.start()
             pool.runs += 1
             self.last_processes = pool.processes
             if run is not None:

@@ -33,7 +33,7 @@ import time
 
 from workbench._src.launch.channel import Channel
 from workbench._src.launch.pool_common import PoolCommon
-from workbench._src.launch.processes import ProcessGroup
+from workbench._src.launch.processes import ProcessGroup, pid_alive
 
 WORKER_MODULE = "workbench._src.launch.worker_main"
 
@@ -71,14 +71,14 @@ class Pool(PoolCommon):
         for child in self.group.children:
             # (poll() alone is not enough: a child reaped elsewhere, e.g. by a subreaper's
             # waitpid(-1), reads None for ever; /proc says it is gone)
-            if child.popen.poll() is not None or not _pid_alive(child.pid):
+            if child.popen.poll() is not None or not pid_alive(child.pid):
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     # (poll() reads None while another thread waits on it: this waits for the
                     # status, so the line says how it ended, not "still running")
                     child.popen.wait(timeout=2)
                 return f"{child.role} {child.index} (pid {child.pid}) {child.exit_description()}"
         for p in self.extra:
-            if not _pid_alive(p["pid"]):
+            if not pid_alive(p["pid"]):
                 return f"{p['role']} {p['index']} (pid {p['pid']}) exited"
         return ""
 
@@ -202,7 +202,6 @@ def _start_in_background(backend: str, plan) -> None:
     try:
         pool = new_pool(backend, plan, keep=True)
         pool.start()
-        pool.started = True
     except BaseException as error:  # noqa: BLE001 - said by the next run, which starts again
         _prestart_failed[shape] = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
         if pool is not None:
@@ -314,15 +313,6 @@ def _idle_expired(pool: Pool, since: float) -> None:
 
 def _shape_text(pool: Pool) -> str:
     return ", ".join(f"{k}={v}" for k, v in pool.shape[1:] if v is not None)
-
-
-def _pid_alive(pid: int) -> bool:
-    """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
 
 
 @atexit.register

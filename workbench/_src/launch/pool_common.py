@@ -25,7 +25,6 @@ class PoolCommon:
         self.state = "busy"  # busy | idle | retired
         self.idle_since: float | None = None
         self.started_at = time.time()
-        self.started = False  # start() was called (by the first run, or in the background)
         self.started_in_background = False  # prestart(): before any run asked for it
         self._timer: threading.Timer | None = None
 

@@ -240,6 +240,15 @@ def _stop_group(children: list[Child], network, log_dir: Path, grace: float = 2.
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
+def pid_alive(pid: int) -> bool:
+    """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
 def remove_own_tmp_dir() -> None:
     """Child side, as it exits hard (os._exit skips TensorFlow's clean-up of its AutoGraph files):
     removes the temp folder its group made for it. Nothing outside a launched process."""

@@ -229,24 +229,16 @@ def remove_roots_of_dead_owners(base: str) -> list[str]:
     kernel killed by a signal ran no exit hook (nbval and JupyterLab kill kernels that do not
     stop at once), and Ray's processes ended with it, but its folder stayed. A root whose owner
     runs, or whose pid now belongs to another process, is left alone. Returns what it removed."""
+    from workbench._src.launch.processes import pid_alive
+
     removed = []
     for entry in os.listdir(base):
         found = re.fullmatch(r"wbray-(\d+)-\w+", entry)
-        if found is None or _pid_runs(int(found.group(1))):
+        if found is None or pid_alive(int(found.group(1))):
             continue
         shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
         removed.append(entry)
     return removed
-
-
-def _pid_runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def import_ray():

@@ -46,7 +46,7 @@ class RayMember:
     def __init__(self, role: str, index: int, actor, where: dict, may_die: bool = False):
         self.role, self.index, self.actor = role, index, actor
         self.pid, self.node, self.port = where["pid"], where["address"], where["port"]
-        self.node_id, self.tmp_dir = where.get("node_id"), where.get("tmp_dir")
+        self.node_id, self.tmp_dir = where["node_id"], where["tmp_dir"]
         self.may_die = may_die  # an async-ps worker server: the run goes on without it
         self.expected_exit = False
         self.dead = False
@@ -308,7 +308,7 @@ class RayPool(PoolCommon):
         living member on its node removes it. (None left there: it stays, said nowhere; a node's
         temp folder is cleaned at its reboot.)"""
         calls = []
-        for dead in [m for m in self.group.children if m.dead and m.tmp_dir]:
+        for dead in [m for m in self.group.children if m.dead]:
             helper = next((m for m in self.group.children if not m.dead and m.node_id == dead.node_id), None)
             if helper is not None:
                 calls.append(helper.actor.remove_left_behind.remote([dead.tmp_dir]))

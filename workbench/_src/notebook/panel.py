@@ -191,21 +191,10 @@ class Panel(w.VBox):
         dashboard = Dashboard(display=False, frontend="widgets")
         self._live.children = [dashboard.widget]
         try:
-            if in_processes:
-                run = session.train(
-                    repl,
-                    None,
-                    None,
-                    self.steps,
-                    background=True,
-                    dashboard=dashboard,
-                    cell=cell,
-                    namespace=ns,
-                )
-            else:
-                run = session.train(
-                    repl, ns["step_fn"], ns["input_fn"], self.steps, background=True, dashboard=dashboard
-                )
+            functions = (None, None) if in_processes else (ns["step_fn"], ns["input_fn"])
+            run = session.train(
+                repl, *functions, self.steps, background=True, dashboard=dashboard, cell=cell, namespace=ns
+            )
         except Exception as e:  # noqa: BLE001
             self._live.children = []
             self.status = f"error: {type(e).__name__}: {e}"
