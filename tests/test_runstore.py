@@ -201,6 +201,45 @@ def test_one_truth_summary_run_store_and_runs_table_agree(runs_dir, toy):
     assert not (runs_dir / a.id).exists()
 
 
+def test_compare_view_data_series_names_hparams_and_median_label(runs_dir, toy):
+    """What the JupyterLab compare view and run table receive (labcomm's replies): each run's
+    loss and examples/s series under its store name, at most MAX_POINTS points, NaN as None; the
+    table rows carry each run's hparams; the median is labelled as the compiled step's."""
+    import workbench._src.store.compare as compare
+    from workbench._src.sinks import labcomm
+
+    a = toy["repl"].train(
+        toy["step_fn"], toy["input_fn"], steps=30, name="lr high", hparams={"lr": 0.1, "opt": "sgd"}
+    )
+    b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=20, name="plain")
+    reply = labcomm._store_request("compare", {"run_ids": [a.id, b.id]})
+    assert reply["type"] == "compare", reply
+    first, second = reply["series"]
+    assert (first["id"], first["name"], second["name"]) == (a.id, "lr high", "plain")
+    assert first["step"] == list(range(1, 31)) and len(first["loss"]) == len(first["examples_per_sec"]) == 30
+    assert first["loss"] == pytest.approx(a.history["loss"].tolist())
+    assert all(v is None or v > 0 for v in first["examples_per_sec"])
+    json.dumps(reply, allow_nan=False)  # the browser's JSON.parse takes no NaN
+    assert [r["name"] for r in reply["rows"]] == ["lr high", "plain"]
+
+    # A long run is thinned evenly to MAX_POINTS, first and last steps kept; NaN -> None.
+    history = pd.DataFrame({"loss": np.linspace(1.0, 0.0, 5000), "examples_per_sec": np.nan})
+    long = compare._Loaded("x", "long", "finished", {}, history)
+    (thin,) = compare.series([long])
+    assert len(thin["step"]) == compare.MAX_POINTS and thin["step"][0] == 1 and thin["step"][-1] == 5000
+    assert thin["loss"][0] == 1.0 and thin["loss"][-1] == 0.0 and set(thin["examples_per_sec"]) == {None}
+    (no_loss,) = compare.series([long._replace(history=history[["examples_per_sec"]])])
+    assert no_loss["loss"] is None
+
+    # The runs table: hparams as recorded (wb.runs() spreads them into columns).
+    rows = {r["id"]: r for r in labcomm._runs_rows()}
+    assert rows[a.id]["hparams"] == {"lr": 0.1, "opt": "sgd"} and rows[b.id]["hparams"] is None
+    # The DataFrame keeps its column names (callers index them); its rendering says what the median is.
+    result = wb.compare_runs([a.id, b.id])
+    assert "median_examples_per_sec" in result.table.columns
+    assert "<th>median compiled step examples/s</th>" in result._repr_html_()
+
+
 def test_replicate_tensorboard_points_at_the_run_store_event_files(runs_dir, toy):
     """`%replicate --tensorboard [RUN]`: the run's tb/ folder (written by the store), through
     IPython's %tensorboard; without the tensorboard package, a UsageError saying how to get it."""

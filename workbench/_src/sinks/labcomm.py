@@ -12,8 +12,12 @@ throughput) and pushes it to every open comm of target TARGET as one "snapshot" 
                        idle_timeout (s) | None, and "placement" for a Ray pool)
                       {"type": "figure", "run_id", "name", "png": base64}     (reply to "figure")
                       {"type": "error", "text"}
-                      {"type": "runs", "rows": [...]}   (reply to "runs": the run store, wb.runs())
-                      {"type": "compare", "run_ids", "png": base64, "rows": [...]}   (wb.compare_runs)
+                      {"type": "runs", "rows": [...]}   (reply to "runs": the run store, wb.runs();
+                      each row's "hparams": {name: value} | None)
+                      {"type": "compare", "run_ids", "png": base64, "rows": [...],   (wb.compare_runs)
+                       "series": [{"id", "name", "step": [...], "loss": [...] | None,
+                       "examples_per_sec": [...]}, ...]}  (compare.series: <= 2,000 points a run,
+                       NaN -> null; the interactive chart's data)
                       {"type": "export", "run_id", "filename", "mime", "data": base64}
   frontend -> kernel  {"type": "hello"} (the comm_open), {"type": "refresh"},
                       {"type": "stop", "run_id": id | None}, {"type": "figure", "run_id": id | None},
@@ -245,9 +249,16 @@ def _store_request(kind: str, data: dict) -> dict:
             return {"type": "runs", "rows": _runs_rows()}
         if kind == "compare":
             ids = list(data.get("run_ids") or [])
-            result = compare.compare_runs(ids)
+            loaded = compare.load_runs(ids)  # read once: the figure, the table and the series
+            result = compare.compare_runs(loaded)
             png = base64.b64encode(result.png()).decode("ascii")
-            return {"type": "compare", "run_ids": ids, "png": png, "rows": compare.table_rows(result.table)}
+            return {
+                "type": "compare",
+                "run_ids": ids,
+                "png": png,
+                "rows": compare.table_rows(result.table),
+                "series": compare.series(loaded),
+            }
         return _export(str(data.get("run_id")), str(data.get("what", "csv")))
     except Exception as e:  # noqa: BLE001 - told to the user as a notification, not a traceback
         return {"type": "error", "text": f"workbench: {kind} failed: {e}"}
@@ -256,6 +267,7 @@ def _store_request(kind: str, data: dict) -> dict:
 def _runs_rows() -> list[dict]:
 
     table = runhistory.runs()
+    paths = list(table["path"]) if "path" in table.columns else [None] * len(table)
     keep = [
         "id", "name", "status", "source", "started", "tags", "backend", "replicas", "workers", "ps",
         "global_batch", "steps", "steps_asked", "steps_per_execution", "duration_s",
@@ -265,9 +277,26 @@ def _runs_rows() -> list[dict]:
         started=table["started"].map(lambda t: None if t != t else t.timestamp()) if len(table) else []
     )
     rows = compare.table_rows(table)
-    for row in rows:
+    for row, path in zip(rows, paths):
         row["group"] = study_group(row.get("name") or "")[0]
+        row["hparams"] = _hparams(path)
     return rows
+
+
+def _hparams(path) -> dict | None:
+    """A recorded run's `hparams=` as a dict (None without): wb.runs() spreads them into columns
+    among the metrics, so which columns they are is read back from the run's record."""
+    import json
+    from pathlib import Path
+
+    if not path:
+        return None
+    try:
+        record = json.loads((Path(path) / runstore.CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    hparams = (record.get("config") or {}).get("hparams")
+    return _jsonable(hparams) if isinstance(hparams, dict) and hparams else None
 
 
 def _export(run_id: str, what: str) -> dict:
