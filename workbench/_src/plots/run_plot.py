@@ -17,7 +17,10 @@ from workbench._src.plots import theme
 
 MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
 MAX_METRIC_PANELS = 5
-DPI = 96  # the figure shows at its natural size in a notebook: readable fonts
+DPI = 96
+# How the metric panels' y axis is scaled: "auto" is log when the values span more than 100x
+# (a loss falling by orders of magnitude), else linear; "log" and "linear" force one.
+SCALES = ("auto", "log", "linear")  # the figure shows at its natural size in a notebook: readable fonts
 
 # Agg and its font cache are shared across threads; one drawing at a time.
 _RENDER_LOCK = threading.Lock()
@@ -105,16 +108,21 @@ class Plotter:
         self._layout: tuple | None = None
         self._lines: dict = {}
 
-    def render(self, columns: dict, title: str) -> bytes:
-        """PNG bytes of the figure for these columns."""
+    def render(self, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto") -> bytes:
+        """PNG bytes of the figure for these columns.
 
+        smoothing: None draws the default smoothed line (`_smooth`); a weight in [0, 1) draws
+        TensorBoard's exponential moving average instead (0: the raw values). scale: one of
+        SCALES, for the metric panels (examples/s stays linear).
+        """
+        _check_view(smoothing, scale)
         with _RENDER_LOCK, theme.context():
             names = metric_names(columns)[:MAX_METRIC_PANELS]
             layout = (*names, theme.key())  # a theme switch builds the figure again, in its colours
             if self._layout != layout:
                 self._build(names)
                 self._layout = layout
-            self._update(columns, names, title)
+            self._update(columns, names, title, smoothing, scale)
             return self._png()
 
     def _build(self, names: list[str]) -> None:
@@ -149,7 +157,7 @@ class Plotter:
         self._title = fig.suptitle("", fontsize=12)
         self._figure, self._layout = fig, tuple(names)
 
-    def _update(self, columns: dict, names: list[str], title: str) -> None:
+    def _update(self, columns: dict, names: list[str], title: str, smoothing: float | None, scale: str) -> None:
         import numpy as np
 
         steps = np.asarray(columns.get("step", []), dtype=float)
@@ -158,14 +166,17 @@ class Plotter:
             key = "examples_per_sec" if panel == "examples/s" else panel
             y = np.asarray(columns.get(key, []), dtype=float)
             x, y = _thin(steps, y)
-            smoothed = _smooth(y)
+            smoothed = _smooth(y, smoothing)
             if extra is None:
-                # Losses falling by orders of magnitude read better on a log scale. A loss of
-                # exactly 0 (a perfect fit) has no place on it: those points are left out and the
-                # title says so, rather than the whole panel falling back to linear.
+                # Losses falling by orders of magnitude read better on a log scale ("auto"). A loss
+                # of exactly 0 (a perfect fit) has no place on it: those points are left out and
+                # the title says so, rather than the whole panel falling back to linear.
                 finite = y[np.isfinite(y)]
                 positive = finite[finite > 0]
-                log = positive.size > 1 and positive.max() > 100 * positive.min()
+                if scale == "auto":
+                    log = positive.size > 1 and positive.max() > 100 * positive.min()
+                else:
+                    log = scale == "log"
                 zeros = log and positive.size < finite.size
                 if log:
                     y = np.where(y > 0, y, np.nan)
@@ -204,14 +215,19 @@ class Plotter:
         return out.getvalue()
 
 
-def final_png(run_id: str, columns: dict, title: str) -> bytes:
-    """The end-of-run figure, rendered once and shared by the run store and the dashboard."""
+def final_png(
+    run_id: str, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto"
+) -> bytes:
+    """The end-of-run figure, rendered once and shared by the run store and the dashboard.
 
-    key = (run_id, len(columns.get("step", [])), title, theme.key())
+    smoothing and scale as in `Plotter.render`; the run store always draws the defaults.
+    """
+
+    key = (run_id, len(columns.get("step", [])), title, theme.key(), smoothing, scale)
     with _RENDER_LOCK:
         if key in _final_cache:
             return _final_cache[key]
-    png = render(columns, title)
+    png = render(columns, title, smoothing, scale)
     with _RENDER_LOCK:
         _final_cache[key] = png
         while len(_final_cache) > 4:
@@ -222,13 +238,20 @@ def final_png(run_id: str, columns: dict, title: str) -> bytes:
 _shared = Plotter()
 
 
-def render(columns: dict, title: str) -> bytes:
+def render(columns: dict, title: str, smoothing: float | None = None, scale: str = "auto") -> bytes:
     """PNG of the run figure, drawn on one figure shared by every dashboard and the run store.
 
     Building a figure costs several redraws; sharing one (under the render lock) pays that
     once per process and set of metric names instead of once per run.
     """
-    return _shared.render(columns, title)
+    return _shared.render(columns, title, smoothing, scale)
+
+
+def _check_view(smoothing: float | None, scale: str) -> None:
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {', '.join(map(repr, SCALES))}; received {scale!r}.")
+    if smoothing is not None and not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be None or a weight in [0, 1); received {smoothing!r}.")
 
 
 def _thin(x, y):
@@ -242,8 +265,17 @@ def _thin(x, y):
     return x[idx], y[idx]
 
 
-def _smooth(y):
-    """Centred moving average over ~1/30 of the points (NaN-aware); raw values when short."""
+def _smooth(y, weight: float | None = None):
+    """The smoothed line drawn over the raw one.
+
+    weight=None (every figure's default): a centred moving average over ~1/30 of the points
+    (NaN-aware); the raw values when short. A weight in [0, 1): TensorBoard's smoothing, an
+    exponential moving average debiased at the start (the first points are not pulled towards
+    0); 0 gives the raw values. As in TensorBoard, non-finite points stay as they are and do not
+    enter the average.
+    """
+    if weight is not None:
+        return _ema(y, weight)
     import numpy as np
 
     n = len(y)
@@ -258,3 +290,21 @@ def _smooth(y):
     total, count = sums[hi] - sums[lo], counts[hi] - counts[lo]
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def _ema(y, weight: float):
+    """TensorBoard's scalar smoothing (its dashboard's `smoothingWeight`), point by point."""
+    import numpy as np
+
+    if not 0 <= weight < 1:
+        raise ValueError(f"smoothing weight must be in [0, 1); received {weight!r}.")
+    out = np.array(y, dtype=float)  # a copy: non-finite points are kept as they are
+    last, count = 0.0, 0
+    # A plain loop: the figure draws at most MAX_POINTS points, well under a millisecond.
+    for i, value in enumerate(out.tolist()):
+        if not math.isfinite(value):
+            continue
+        last = last * weight + (1 - weight) * value
+        count += 1
+        out[i] = last / (1 - weight**count)
+    return out
