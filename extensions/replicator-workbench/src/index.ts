@@ -33,6 +33,7 @@ import {
   statusBarText,
   stopAction
 } from './model';
+import { CompareView } from './compare';
 import { ReplicatorSidebar } from './sidebar';
 import { ReplicatorStatus } from './statusbar';
 import { templateCell } from './templates';
@@ -322,44 +323,7 @@ function activate(
 
   let comparisons = 0;
   function showComparison(reply: JSONObject): void {
-    const content = new Widget();
-    content.addClass('wb-figure-view');
-    content.addClass('wb-compare-view');
-    const img = document.createElement('img');
-    img.src = `data:image/png;base64,${String(reply.png)}`;
-    img.alt = 'loss and throughput of the compared runs';
-    const table = document.createElement('table');
-    table.className = 'wb-compare-table';
-    const columns: [string, string][] = [
-      ['name', 'run'],
-      ['backend', 'backend'],
-      ['num_replicas', 'replicas'],
-      ['steps', 'steps'],
-      ['steps_per_sec', 'steps/s'],
-      ['examples_per_sec', 'examples/s'],
-      ['median_examples_per_sec', 'median step examples/s'],
-      ['loss', 'loss']
-    ];
-    const head = document.createElement('tr');
-    for (const [, label] of columns) {
-      const th = document.createElement('th');
-      th.textContent = label;
-      head.append(th);
-    }
-    table.append(head);
-    for (const row of (reply.rows as unknown as IStoredRun[]) ?? []) {
-      const tr = document.createElement('tr');
-      tr.dataset.runId = row.id;
-      for (const [key] of columns) {
-        const td = document.createElement('td');
-        td.dataset.key = key;
-        const value = row[key];
-        td.textContent = typeof value === 'number' ? formatNumber(value) : String(value ?? '\u2013');
-        tr.append(td);
-      }
-      table.append(tr);
-    }
-    content.node.append(img, table);
+    const content = new CompareView(reply);
     const widget = new MainAreaWidget({ content });
     comparisons += 1;
     widget.id = `wb-compare-${comparisons}`;

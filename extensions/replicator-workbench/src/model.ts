@@ -79,6 +79,8 @@ export interface IStoredRun {
   examples_per_sec: number | null;
   loss: number | null;
   group?: string | null;
+  /** The run's `hparams=` as recorded ({lr: 0.1, ...}); null without. */
+  hparams?: { [name: string]: unknown } | null;
   [column: string]: unknown;
 }
 
@@ -94,9 +96,28 @@ export type SortKey =
   | 'examples_per_sec'
   | 'loss';
 
-/** What a row is found by in the table's filter box: name, tags, source, backend, status. */
+/** One hparam as shown and filtered on: "lr=0.1", "opt=adam", "layers=[64,32]". */
+export function formatHparam(name: string, value: unknown): string {
+  const text =
+    typeof value === 'string' ? value : typeof value === 'number' ? String(value) : JSON.stringify(value) ?? '';
+  return `${name}=${text}`;
+}
+
+/** A run's hparams, in the order recorded: ["lr=0.1", "batch=128"] ([] without). */
+export function hparamsOf(row: IStoredRun): string[] {
+  const hparams = row.hparams;
+  if (!hparams || typeof hparams !== 'object') {
+    return [];
+  }
+  return Object.entries(hparams).map(([name, value]) => formatHparam(name, value));
+}
+
+/**
+ * What a row is found by in the table's filter box: name, tags, source, backend, status, id
+ * and its hparams as "lr=0.1" (so "lr=0.1" finds exactly those runs).
+ */
 export function rowText(row: IStoredRun): string {
-  return [row.name, row.tags, row.source, row.backend, row.status, row.id]
+  return [row.name, row.tags, row.source, row.backend, row.status, row.id, ...hparamsOf(row)]
     .filter(v => typeof v === 'string')
     .join(' ')
     .toLowerCase();
@@ -104,7 +125,7 @@ export function rowText(row: IStoredRun): string {
 
 /**
  * The table's rows sorted by `key` (missing values last), optionally only one backend and only
- * rows whose name, tags, source, backend or status hold every word of `text`.
+ * rows whose name, tags, source, backend, status or hparams hold every word of `text`.
  */
 export function sortAndFilter(
   rows: IStoredRun[],

@@ -19,6 +19,7 @@ import {
   describeStatus,
   formatCount,
   formatNumber,
+  hparamsOf,
   IRunInfo,
   isRunning,
   ISnapshot,
@@ -62,15 +63,16 @@ export interface ISidebarActions {
 const POOL_TICK_MS = 15000;
 
 /**
- * The table's columns: few and narrow, so all fit the default sidebar width; the rest of a
- * run's configuration (source, start, global batch, steps per execution, steps/s, loss) is under
- * its name and in its tooltip, and every one of them can be filtered on with the text box.
+ * The table's columns: few, narrow and with short labels, so all fit the default sidebar width
+ * (the header's tooltip says what each is); the rest of a run's configuration (hparams, tags,
+ * source, start, global batch, steps per execution, steps/s, loss) is under its name and in its
+ * tooltip, and every one of them can be filtered on with the text box.
  */
-const TABLE_COLUMNS: [SortKey, string][] = [
-  ['name', 'run'],
-  ['replicas', 'config'],
-  ['steps', 'steps'],
-  ['examples_per_sec', 'ex/s']
+const TABLE_COLUMNS: [SortKey, string, string][] = [
+  ['name', 'run', 'The run\u2019s name in the run store; under it its hparams, tags, notebook and start'],
+  ['replicas', 'config', 'Backend and replicas (workers and parameter servers for async-ps)'],
+  ['steps', 'steps', 'Steps done'],
+  ['examples_per_sec', 'ex/s', 'Examples per second over the whole run']
 ];
 
 type Tab = 'kernel' | 'store';
@@ -235,7 +237,8 @@ export class ReplicatorSidebar extends Widget {
     const search = document.createElement('input');
     search.type = 'search';
     search.className = 'wb-filter-text';
-    search.placeholder = 'filter: name, tag, notebook, backend, status';
+    search.placeholder = 'filter: name, tag, lr=0.1, notebook, backend';
+    search.title = 'Runs whose name, tags, hparams (as lr=0.1), notebook, backend, status or id hold every word';
     search.value = this._text;
     search.addEventListener('input', () => {
       this._text = search.value;
@@ -246,9 +249,11 @@ export class ReplicatorSidebar extends Widget {
     const table = el('table', 'wb-runs-table');
     const head = el('tr', 'wb-runs-head');
     head.append(el('th', 'wb-pick', ''));
-    for (const [key, label] of TABLE_COLUMNS) {
-      const arrow = key === this._sortKey ? (this._descending ? ' \u25bc' : ' \u25b2') : '';
-      const th = el('th', `wb-sort wb-sort-${key}`, label + arrow);
+    for (const [key, label, title] of TABLE_COLUMNS) {
+      const arrow = key === this._sortKey ? (this._descending ? '\u25bc' : '\u25b2') : '';
+      const th = el('th', `wb-sort wb-sort-${key}`, label);
+      th.append(el('span', 'wb-sort-arrow', arrow)); // its own box: wraps under a long label, never cut
+      th.title = `${title} (click to sort)`;
       th.addEventListener('click', () => {
         this._descending = key === this._sortKey ? !this._descending : key !== 'name' && key !== 'backend';
         this._sortKey = key;
@@ -292,6 +297,10 @@ export class ReplicatorSidebar extends Widget {
       cell.append(pick);
       const name = el('td', 'wb-col-name');
       name.append(el('div', 'wb-stored-name', row.name ?? row.id));
+      const hparams = hparamsOf(row);
+      if (hparams.length) {
+        name.append(el('div', 'wb-stored-hparams', hparams.join(' ')));
+      }
       const details = [row.tags ? `#${row.tags.split(', ').join(' #')}` : '', sourceName(row.source), startedAt(row.started)];
       name.append(el('div', 'wb-stored-details', details.filter(Boolean).join(' \u00b7 ')));
       tr.dataset.status = row.status ?? '';
@@ -309,7 +318,8 @@ export class ReplicatorSidebar extends Widget {
         `global batch ${formatCount(row.global_batch)} \u00b7 steps/execution ${row.steps_per_execution ?? '\u2013'}`,
         `${formatNumber(row.steps_per_sec)} steps/s \u00b7 ${formatNumber(row.examples_per_sec)} examples/s \u00b7 loss ${formatNumber(row.loss)}`,
         `source: ${row.source ?? '\u2013'}`,
-        `tags: ${row.tags || '\u2013'}`
+        `tags: ${row.tags || '\u2013'}`,
+        ...(hparams.length ? [`hparams: ${hparams.join(', ')}`] : [])
       ].join('\n');
       table.append(tr);
     }
