@@ -157,7 +157,9 @@ class Plotter:
         self._title = fig.suptitle("", fontsize=12)
         self._figure, self._layout = fig, tuple(names)
 
-    def _update(self, columns: dict, names: list[str], title: str, smoothing: float | None, scale: str) -> None:
+    def _update(
+        self, columns: dict, names: list[str], title: str, smoothing: float | None, scale: str
+    ) -> None:
         import numpy as np
 
         steps = np.asarray(columns.get("step", []), dtype=float)

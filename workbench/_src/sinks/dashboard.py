@@ -4,10 +4,13 @@ Off the hot path by construction: `send` (called on the training thread) only ap
 sets flags; a renderer thread draws at most `max_rate_hz` times a second, and the figure only as
 often as keeps its own drawing under `render_budget` of one core. It never clears other
 output: in a kernel it shows one widget box (status, tqdm progress bar with ETA, the figure as an
-ipywidgets Image) under a display id. Widgets talk over comms, so updates from a background
-run's thread reach the frontend. When the run ends, the display is replaced in place by a static
-PNG (what nbval, nbclient and a saved notebook keep). Outside a kernel (a script, a terminal) it
-is a console tqdm bar and a one-line summary; the figure is the PNG in the run store.
+ipywidgets Image, and under it TensorBoard's two reading controls: smoothing and the y scale)
+under a display id. Widgets talk over comms, so updates from a background run's thread reach the
+frontend. When the run ends, the display is updated in place to the final figure: a static PNG
+(what nbval, nbclient, nbconvert and GitHub show) beside the same widget, which JupyterLab shows
+instead, so the controls keep redrawing the final figure while the kernel lives. Outside a
+kernel (a script, a terminal) it is a console tqdm bar and a one-line summary; the figure is the
+PNG in the run store; there are no controls.
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ from workbench._src.sinks import runstore
 Frontend = Literal["auto", "widgets", "console"]
 # tqdm without its own rate and ETA (the postfix carries the run's figures instead).
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# The smoothing slider's stops: "auto" (the figure's default smoothed line) then TensorBoard's
+# exponential moving average weights 0 (raw) .. 0.99.
+SMOOTHING_WEIGHTS = [round(i / 100, 2) for i in range(100)]
+# The last smoothing and scale chosen in this kernel: the next run's dashboard starts with them,
+# so runs compared one after the other are read the same way.
+_choice: dict = {"smoothing": None, "scale": "auto"}
 
 
 def detect_frontend() -> str:
@@ -58,7 +68,9 @@ class Dashboard:
 
     Attributes (read by tests and the bench): renders, render_seconds (CPU), render_times
     (monotonic), render_costs (CPU s each), cpu_seconds (renderer thread, before the end),
-    render_threads, png (the last figure), history (rows seen in events), error.
+    render_threads, png (the last figure), history (rows seen in events), error, smoothing
+    (None: the default line; else the EMA weight) and scale ("auto", "log", "linear"), which the
+    controls set.
     """
 
     sink_name = "the live dashboard"
@@ -93,11 +105,20 @@ class Dashboard:
         self.render_costs: list[float] = []
         self.cpu_seconds = 0.0  # CPU the renderer thread used while the run went (all refreshes)
         self.error: BaseException | None = None
+        self.smoothing: float | None = _choice["smoothing"]
+        self.scale: str = _choice["scale"]
         self._progress = progress
         self._ended: dict | None = None
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_plot = 0.0
+        # Drawing (the renderer's, and a control's after the end) and `_done` go under this lock:
+        # a control changed while the run goes only asks the renderer thread to draw; once the
+        # renderer is done, the control's own thread draws.
+        self._draw_lock = threading.Lock()
+        self._done = False  # the final figure is drawn; the renderer thread draws no more
+        self._redraw_requested = False
+        self._final_title: str | None = None
         self._bar = None
         self._bar_clock_started = False
         self._handle = None
@@ -177,10 +198,13 @@ class Dashboard:
     def _loop(self) -> None:
         try:
             while self._ended is None:
-                self._wake.wait(self.period)  # at most max_rate_hz refreshes
+                self._wake.wait(self.period)  # at most max_rate_hz refreshes, or woken
+                self._wake.clear()  # the end and the close set _ended before waking: seen below
                 if self._ended is not None:
                     break
-                self._refresh(final=False)
+                with self._draw_lock:
+                    forced, self._redraw_requested = self._redraw_requested, False
+                    self._refresh(final=False, forced=forced)
                 self.cpu_seconds = time.thread_time()
         except Exception as e:  # noqa: BLE001 - a broken plot must not touch training
             self.error = e
@@ -188,13 +212,47 @@ class Dashboard:
             self._finish()
 
     def _finish(self) -> None:
-        try:
-            self.status = (self._ended or {}).get("status", "ended")
-            self._refresh(final=True)
-        except Exception as e:  # noqa: BLE001
-            self.error = e
+        with self._draw_lock:
+            try:
+                self.status = (self._ended or {}).get("status", "ended")
+                self._refresh(final=True)
+            except Exception as e:  # noqa: BLE001
+                self.error = e
+            self._done = True
 
-    def _refresh(self, final: bool) -> None:
+    def _on_control(self, change=None) -> None:
+        """A control changed (in the kernel's thread): redraw with the new choice at once."""
+        value = self._smoothing_slider.value
+        self.smoothing = None if value == "auto" else float(value)
+        self.scale = self._scale_buttons.value
+        _choice.update(smoothing=self.smoothing, scale=self.scale)
+        with self._draw_lock:
+            if not self._done:
+                # The renderer thread draws the live figure (and the final one, which reads the
+                # choice under this lock): wake it rather than race it. A foreground run holds
+                # the kernel, so its changes arrive when the cell ends: then the branch below.
+                self._redraw_requested = True
+                self._wake.set()
+                return
+            try:
+                self._redraw_final()
+            except Exception as e:  # noqa: BLE001 - a broken plot must not raise into the frontend
+                self.error = e
+
+    def _redraw_final(self) -> None:
+        """The final figure again, from the history held, with the current smoothing and scale."""
+        columns = self.history.snapshot()
+        if self.status == "closed" or self._final_title is None or not columns.get("step"):
+            return
+        self.png = run_plot.final_png(
+            self.run_id or "?", columns, self._final_title, self.smoothing, self.scale
+        )
+        # Only the widget: updating the display's static PNG too would make the frontend render
+        # the output again (the controls under the pointer would be rebuilt). The static PNG
+        # keeps the figure as the run ended.
+        self._image.value = self.png
+
+    def _refresh(self, final: bool, forced: bool = False) -> None:
         if self.status == "closed":
             self._bar.close() if self._bar is not None else None
             return
@@ -208,14 +266,25 @@ class Dashboard:
         title = run_plot.title_for(self.config, self.status, columns, self.name, self.target)
         if final:
             has_steps = bool(columns.get("step"))
-            self.png = run_plot.final_png(self.run_id or "?", columns, title) if has_steps else None
+            self._final_title = title
+            self.png = (
+                run_plot.final_png(self.run_id or "?", columns, title, self.smoothing, self.scale)
+                if has_steps
+                else None
+            )
             self._show_final(summary, title)
-        elif self.frontend == "widgets" and len(columns.get("step", ())) > 1 and now >= self._next_plot:
+        elif (
+            self.frontend == "widgets"
+            and len(columns.get("step", ())) > 1
+            and (now >= self._next_plot or forced)  # a control changed: at once, not in budget
+        ):
             t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
             live_title = run_plot.title_for(self.config, self.status, columns, self.name, numbers=False)
-            self.png = run_plot.render(columns, live_title)  # the header above carries the numbers
+            # the header above carries the numbers
+            self.png = run_plot.render(columns, live_title, self.smoothing, self.scale)
             self._image.value = self.png
             self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
+            self._controls.layout.display = ""
             cost = time.thread_time() - t0
             self.renders += 1
             self.render_seconds += cost
@@ -281,19 +350,29 @@ class Dashboard:
         if self.png is not None:
             self._image.value = self.png
             self._image.layout.display = ""
+            self._controls.layout.display = ""
         self._stop_button.layout.display = "none"
         if self._handle is not None:
+            interactive = False
             if failed:  # the reason first, in one line; the traceback behind a toggle
                 bundle = {
                     "text/html": failed_html(self.name, reason, (self._ended or {}).get("details"), self.png)
                 }
             elif self.png is not None:
                 bundle = {"image/png": base64.b64encode(self.png).decode("ascii")}
+                # The widget too, now showing just the final figure and its controls (the
+                # figure's title carries the header's numbers): JupyterLab prefers it, so the
+                # controls keep working while the kernel lives; whatever cannot show widgets
+                # (nbval, nbconvert, GitHub, an untrusted notebook) shows the PNG.
+                self._header.layout.display = "none"
+                self._row.layout.display = "none"
+                bundle[WIDGET_VIEW] = self.widget._repr_mimebundle_()[WIDGET_VIEW]
+                interactive = True
             else:
                 bundle = {}
             bundle["text/plain"] = text
             self._handle.update(bundle, raw=True)
-            if not self._background:
+            if not self._background and not interactive:
                 # A foreground cell is still running, so the replacement surely reached the
                 # frontend: free the comms. A background run's may not have (the cell ended).
                 self._bar.close() if self._bar is not None else None
@@ -319,7 +398,45 @@ class Dashboard:
 
             self._bar = tqdm(total=None, unit="step", display=False, bar_format=BAR_FORMAT)
             row.insert(0, self._bar.container)
-        self.widget = w.VBox([self._header, w.HBox(row), self._image])
+        self._row = w.HBox(row)
+        self._build_controls()
+        self.widget = w.VBox([self._header, self._row, self._image, self._controls])
+
+    def _build_controls(self) -> None:
+        """TensorBoard's smoothing slider and a y-scale toggle, under the figure."""
+        import ipywidgets as w
+
+        if self.smoothing not in SMOOTHING_WEIGHTS:
+            self.smoothing = None  # the slider shows what is drawn: only its stops
+        self._smoothing_slider = w.SelectionSlider(
+            options=[("auto", "auto")] + [(f"{x:.2f}", x) for x in SMOOTHING_WEIGHTS],
+            value="auto" if self.smoothing is None else self.smoothing,
+            description="smoothing",
+            tooltip=(
+                "auto: a centred moving average over ~1/30 of the run; "
+                "0-0.99: TensorBoard's exponential moving average weight (0: raw values)"
+            ),
+            continuous_update=False,  # one redraw when the slider is let go, not one per pixel
+            layout=w.Layout(width="320px"),
+        )
+        self._scale_buttons = w.ToggleButtons(
+            options=list(run_plot.SCALES),
+            value=self.scale,
+            description="y scale",
+            tooltips=[
+                "log when a metric spans more than 100x, else linear",
+                "log (values <= 0 are not drawn)",
+                "linear",
+            ],
+            style={"button_width": "56px"},
+        )
+        self._smoothing_slider.observe(self._on_control, names="value")
+        self._scale_buttons.observe(self._on_control, names="value")
+        # Hidden with the figure until it is drawn.
+        self._controls = w.HBox(
+            [self._smoothing_slider, self._scale_buttons],
+            layout=w.Layout(display="none", flex_flow="row wrap"),
+        )
 
 
 def _name_from_id(run_id: str) -> str:
