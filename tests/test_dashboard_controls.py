@@ -1,5 +1,5 @@
 """The live dashboard's reading controls (issue 23): TensorBoard's smoothing slider and a y-scale
-toggle under the figure, driven here through the real widgets."""
+toggle above the figure, driven here through the real widgets."""
 
 import itertools
 import math

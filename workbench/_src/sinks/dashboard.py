@@ -4,7 +4,7 @@ Off the hot path by construction: `send` (called on the training thread) only ap
 sets flags; a renderer thread draws at most `max_rate_hz` times a second, and the figure only as
 often as keeps its own drawing under `render_budget` of one core. It never clears other
 output: in a kernel it shows one widget box (status, tqdm progress bar with ETA, the figure as an
-ipywidgets Image, and under it TensorBoard's two reading controls: smoothing and the y scale)
+ipywidgets Image, and above it TensorBoard's two reading controls: smoothing and the y scale)
 under a display id. Widgets talk over comms, so updates from a background run's thread reach the
 frontend. When the run ends, the display is updated in place to the final figure: a static PNG
 (what nbval, nbclient, nbconvert and GitHub show) beside the same widget, which JupyterLab shows
@@ -400,10 +400,12 @@ class Dashboard:
             row.insert(0, self._bar.container)
         self._row = w.HBox(row)
         self._build_controls()
-        self.widget = w.VBox([self._header, self._row, self._image, self._controls])
+        # The controls above the figure, which stays the box's last child (the panel's tests and
+        # any code reading the figure from `.widget` find it there).
+        self.widget = w.VBox([self._header, self._row, self._controls, self._image])
 
     def _build_controls(self) -> None:
-        """TensorBoard's smoothing slider and a y-scale toggle, under the figure."""
+        """TensorBoard's smoothing slider and a y-scale toggle, above the figure."""
         import ipywidgets as w
 
         if self.smoothing not in SMOOTHING_WEIGHTS:
