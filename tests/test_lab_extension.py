@@ -77,7 +77,8 @@ def _run0(data: dict) -> dict:
 
 @pytest.mark.slow
 def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(tmp_path, monkeypatch):
-    """The comm protocol of workbench/_src/sinks/labcomm.py in a real kernel, as the sidebar uses it."""
+    """The comm protocol of workbench/_src/sinks/labcomm.py in a real kernel, as the sidebar uses
+    it: snapshots, Stop, the figure, the run store's rows (hparams) and the compare reply's series."""
     from jupyter_client.manager import start_new_kernel
 
     monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))
@@ -127,6 +128,34 @@ def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(
         assert figure["run_id"] == run_id and base64.b64decode(figure["png"]).startswith(b"\x89PNG")
         sidebar.send({"type": "stop"})  # nothing runs now: said so
         sidebar.read(lambda kind, data: data.get("type") == "error" and "nothing to stop" in data["text"])
+
+        # The run store's table and the compare view's data: a run's hparams in its row; the
+        # compare reply carries each run's series under its store name, thinned to <= 2,000 points.
+        kc.execute(
+            "import workbench as wb\n"
+            'wb.current().train(step_fn, input_fn, steps=30, name="sweep", hparams={"lr": 0.1, "opt": "sgd"})'
+        )
+        sidebar.read(
+            lambda kind, data: _run0(data).get("name") == "sweep" and _run0(data)["status"] == "finished"
+        )
+        sidebar.send({"type": "runs"})
+        ((_, _, table),) = sidebar.read(lambda kind, data: data.get("type") == "runs")[-1:]
+        rows = {r["name"]: r for r in table["rows"]}
+        assert rows["sweep"]["hparams"] == {"lr": 0.1, "opt": "sgd"}, rows["sweep"]
+        stopped = next(r for r in table["rows"] if r["id"] == run_id)
+        assert stopped["hparams"] is None and stopped["steps"] > 30
+        sidebar.send({"type": "compare", "run_ids": [run_id, rows["sweep"]["id"]]})
+        ((_, _, reply),) = sidebar.read(lambda kind, data: data.get("type") == "compare", timeout=120)[-1:]
+        long, short = reply["series"]
+        assert (long["id"], long["name"], short["name"]) == (run_id, stopped["name"], "sweep")
+        assert (
+            short["step"] == list(range(1, 31)) and len(short["loss"]) == len(short["examples_per_sec"]) == 30
+        )
+        assert all(isinstance(v, float) for v in short["loss"])  # NaN would be null (None here)
+        assert len(long["step"]) == min(stopped["steps"], 2000) and long["step"][-1] == stopped["steps"]
+        assert len(long["loss"]) == len(long["examples_per_sec"]) == len(long["step"])
+        assert [r["name"] for r in reply["rows"]] == [stopped["name"], "sweep"]
+        assert base64.b64decode(reply["png"]).startswith(b"\x89PNG")
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -676,7 +705,8 @@ def test_scaling_study_runs_form_one_group_in_the_sidebar():
 
 
 def _write_identity_notebooks(root: Path) -> None:
-    """a.ipynb and b.ipynb: two kernels that record into one run store under the same name."""
+    """a.ipynb and b.ipynb: two kernels that record into one run store under the same name (and
+    b a short run with hparams)."""
     build = "%%replicate --backend mirrored --replicas 2 --steps 300 --name shared\n" + TOY_CELL.strip()
     for name, cells in (
         (
@@ -688,7 +718,16 @@ def _write_identity_notebooks(root: Path) -> None:
                 "%replicate step_fn input_fn --steps 300 --name dark",
             ],
         ),
-        ("b.ipynb", ["%load_ext workbench", build]),
+        (
+            "b.ipynb",
+            [
+                "%load_ext workbench",
+                build,
+                # A run with hparams (train's hparams=): shown and found in the run store's table.
+                "import workbench as wb\n"
+                'wb.current().train(step_fn, input_fn, steps=20, name="sweep", hparams={"lr": 0.1, "batch": 16})',
+            ],
+        ),
     ):
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -704,6 +743,44 @@ def _image_brightness(png: bytes) -> float:
     from PIL import Image
 
     return float(np.asarray(Image.open(io.BytesIO(png)).convert("L")).mean())
+
+
+def _compare_chart_is_interactive(page, view) -> None:
+    """The compare view's chart: both runs' store names in its legends, values on hover, the
+    smoothing slider redraws the lines, the loss axis switches between log and linear."""
+    from playwright.sync_api import expect
+
+    loss = view.locator(".wb-chart-loss")
+    for panel in (loss, view.locator(".wb-chart-examples_per_sec")):
+        expect(panel.locator("canvas")).to_be_visible()
+        expect(panel.locator(".u-legend .u-series .u-label")).to_have_text(["step", "from b", "shared"])
+    number = re.compile(r"^-?[\d.,]+(e[-+]?\d+)?$")
+    _hover(page, loss)
+    expect(loss.locator(".u-legend .u-series .u-value")).to_have_text([number, number, number])
+    page.mouse.move(5, 5)
+    canvas = loss.locator("canvas")
+    expect(view).to_have_attribute("data-smoothing", "0.60")  # TensorBoard's default
+    before = canvas.screenshot()
+    view.locator(".wb-smoothing").evaluate(
+        "s => { s.value = '0.95'; s.dispatchEvent(new Event('input', { bubbles: true })); }"
+    )
+    expect(view).to_have_attribute("data-smoothing", "0.95")
+    expect(view.locator(".wb-smoothing-value")).to_have_text("0.95")
+    assert canvas.screenshot() != before, "smoothing did not change the drawn lines"
+    # The toy's loss falls by decades: a log axis at first; the checkbox switches it.
+    expect(view).to_have_attribute("data-loss-scale", "log")
+    view.locator(".wb-log-scale").uncheck()
+    expect(view).to_have_attribute("data-loss-scale", "linear")
+    expect(loss.locator(".u-legend .u-series .u-label")).to_have_text(["step", "from b", "shared"])
+    view.locator(".wb-log-scale").check()
+    expect(view).to_have_attribute("data-loss-scale", "log")
+    _hover(page, loss)  # for the screenshot: the values at a step
+
+
+def _hover(page, chart) -> None:
+    """The pointer over a uPlot chart, 60% along its x axis."""
+    box = chart.locator(".u-over").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.6, box["y"] + box["height"] / 2)
 
 
 @pytest.mark.slow
@@ -747,7 +824,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                         _cells(page, "a.ipynb").nth(1).locator(".jp-OutputArea-output img").first
                     ).to_be_visible()
                     page.goto(f"{base}/lab/tree/b.ipynb?token={token}")
-                    expect(_cells(page, "b.ipynb")).to_have_count(2)
+                    expect(_cells(page, "b.ipynb")).to_have_count(3)
                     if not sidebar.is_visible():
                         page.locator("li[data-id='replicator-workbench-sidebar']").click()
                     _make_current(page, "b.ipynb")
@@ -760,17 +837,36 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                         ["shared (2)"], timeout=180_000
                     )
                     expect(sidebar.locator(".wb-run").first).to_contain_text("finished", timeout=180_000)
+                    _run_cell(page, 2, "b.ipynb")  # "sweep", with hparams
+                    expect(sidebar.locator(".wb-run .wb-run-name")).to_have_text(
+                        ["sweep", "shared (2)"], timeout=180_000
+                    )
+                    expect(sidebar.locator(".wb-run").first).to_contain_text("finished", timeout=180_000)
                     kernels = _children(server.pid)
 
-                    # The run store tab: both runs, told apart by name; the table fits the sidebar.
+                    # The run store tab: the runs, told apart by name; the table fits the sidebar,
+                    # and no header is cut (short labels, the full name in their tooltips).
                     sidebar.locator(".wb-tab-store").click()
                     rows = sidebar.locator(".wb-stored-run")
-                    expect(rows.locator(".wb-stored-name")).to_have_text(["shared (2)", "shared"])
+                    expect(rows.locator(".wb-stored-name")).to_have_text(["sweep", "shared (2)", "shared"])
                     table = sidebar.locator(".wb-runs-table")
-                    page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
                     assert table.evaluate("t => t.scrollWidth <= t.parentElement.clientWidth + 1"), (
                         "table overflows"
                     )
+                    cut = table.evaluate(
+                        "t => [...t.querySelectorAll('th')].filter(h => h.scrollWidth > h.clientWidth + 1)"
+                        ".map(h => h.textContent)"
+                    )
+                    assert cut == [], f"headers cut: {cut}"
+                    assert "Steps done" in (table.locator("th.wb-sort-steps").get_attribute("title") or "")
+                    # hparams: under the run's name, in its tooltip, and found by the filter.
+                    sweep = rows.filter(has_text="sweep")
+                    expect(sweep.locator(".wb-stored-hparams")).to_have_text("lr=0.1 batch=16")
+                    assert "hparams: lr=0.1, batch=16" in (sweep.get_attribute("title") or "")
+                    sidebar.locator(".wb-filter-text").fill("lr=0.1")
+                    expect(rows.locator(".wb-stored-name")).to_have_text(["sweep"])
+                    sidebar.locator(".wb-filter-text").fill("")
+                    expect(rows).to_have_count(3)
                     page.screenshot(path=str(SCREENSHOTS / "identity-store-two-kernels.png"))
 
                     # Rename and tag the second from the sidebar (JupyterLab's input dialogs).
@@ -791,17 +887,22 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     sidebar.locator(".wb-filter-text").fill("")
                     page.screenshot(path=str(SCREENSHOTS / "identity-renamed-tagged.png"))
 
-                    # Compare both: the view names them as the store does.
+                    # Compare both: the view names them as the store does, in an interactive
+                    # chart (uPlot) over the kernel's table.
                     rows.filter(has_text="shared").filter(has_not_text="from b").locator(
                         ".wb-pick-run"
                     ).check()
                     sidebar.locator(".wb-compare").click()
                     view = page.locator(".wb-compare-view")
-                    expect(view.locator("img")).to_be_visible()
+                    _compare_chart_is_interactive(page, view)
                     expect(view.locator(f"tr[data-run-id='{run_b}'] td").first).to_have_text("from b")
                     expect(view.locator("tr[data-run-id] td:first-child")).to_have_text(
                         ["from b", "shared"]
                     )  # in the order picked
+                    expect(view.locator(".wb-compare-table th")).to_contain_text(
+                        ["median compiled step examples/s"]
+                    )
+                    expect(view.locator(".wb-compare-png img")).to_be_attached()  # the PNG, folded
                     page.screenshot(path=str(SCREENSHOTS / "identity-compare.png"))
                     tab("b.ipynb").click()
 
@@ -813,7 +914,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     renamed.locator(".wb-pick-run").check()
                     sidebar.locator(".wb-delete").click()
                     page.locator(".jp-Dialog .jp-mod-warn").click()
-                    expect(rows).to_have_count(1)
+                    expect(rows).to_have_count(2)
                     sidebar.locator(".wb-tab-kernel").click()
                     expect(sidebar.locator(f".wb-run[data-run-id='{run_b}']")).to_have_count(0)
 
@@ -843,6 +944,16 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     assert brightness < 80, (
                         f"the figure is not dark on the dark theme (mean grey {brightness:.0f})"
                     )
+                    # The compare view and the run store's table follow the theme too.
+                    page.locator(".lm-TabBar-tab", has_text="Compare 2 runs").click()
+                    expect(view.locator(".wb-chart-loss canvas")).to_be_visible()
+                    page.wait_for_timeout(500)  # redrawn in the dark theme's colours
+                    sidebar.locator(".wb-tab-store").click()
+                    _hover(page, view.locator(".wb-chart-examples_per_sec"))
+                    page.screenshot(path=str(SCREENSHOTS / "identity-compare-dark.png"))
+                    for name, node in (("compare view", view), ("run store", sidebar)):
+                        grey = _image_brightness(node.screenshot())
+                        assert grey < 80, f"the {name} is not dark on the dark theme (mean grey {grey:.0f})"
             finally:
                 browser.close()
     finally:

@@ -16,7 +16,9 @@ import {
   Curve,
   DEFAULT_SMOOTHING,
   forLogScale,
+  formatPowerOfTen,
   IRunSeries,
+  logSplits,
   MAX_SMOOTHING,
   nearestValueIndex,
   parseSeries,
@@ -231,7 +233,16 @@ export class CompareView extends Widget {
       ],
       axes: [
         { ...axis, label: "step (from each run's start)", labelFont: '11px sans-serif' },
-        { ...axis, size: 64, values: (_u, splits) => splits.map(v => formatNumber(v)) }
+        log
+          ? {
+              ...axis,
+              size: 64,
+              // Powers of ten only, about one label every 28 px of the plot's height.
+              splits: (u, _i, min, max) => logSplits(min, max, Math.floor(u.bbox.height / devicePixelRatio / 28)),
+              filter: (_u, splits) => splits, // every split labelled (uPlot's log filter blanks some)
+              values: (_u, splits) => splits.map(v => (v === null ? '' : formatPowerOfTen(v)))
+            }
+          : { ...axis, size: 64, values: (_u, splits) => splits.map(v => formatNumber(v)) }
       ],
       cursor: {
         sync: { key: this._syncKey },

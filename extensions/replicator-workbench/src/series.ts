@@ -119,3 +119,31 @@ export function nearestValueIndex(values: ArrayLike<number | null | undefined>, 
   }
   return null;
 }
+
+/**
+ * Where a log axis from `min` to `max` gets its grid lines and labels: powers of ten only (not
+ * uPlot's 2..9 of every decade, unreadable over many decades), every k-th decade so at most
+ * `maxTicks` of them.
+ */
+export function logSplits(min: number, max: number, maxTicks: number): number[] {
+  if (!(min > 0) || !(max >= min)) {
+    return [];
+  }
+  const low = Math.ceil(Math.log10(min) - 1e-9);
+  const high = Math.floor(Math.log10(max) + 1e-9);
+  const every = Math.max(1, Math.ceil((high - low + 1) / Math.max(1, maxTicks)));
+  const splits: number[] = [];
+  for (let e = high; e >= low; e -= every) {
+    splits.unshift(Number(`1e${e}`)); // exact, unlike Math.pow(10, e) for negative e
+  }
+  return splits;
+}
+
+/** A power of ten as a log axis labels it: "0.001" .. "10,000", else "1e-6", "1e8". */
+export function formatPowerOfTen(value: number): string {
+  const e = Math.round(Math.log10(value));
+  if (e >= -3 && e <= 4) {
+    return e < 0 ? value.toFixed(-e) : Math.round(value).toLocaleString('en-US');
+  }
+  return `1e${e}`;
+}

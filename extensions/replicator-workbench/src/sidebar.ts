@@ -252,7 +252,9 @@ export class ReplicatorSidebar extends Widget {
     for (const [key, label, title] of TABLE_COLUMNS) {
       const arrow = key === this._sortKey ? (this._descending ? '\u25bc' : '\u25b2') : '';
       const th = el('th', `wb-sort wb-sort-${key}`, label);
-      th.append(el('span', 'wb-sort-arrow', arrow)); // its own box: wraps under a long label, never cut
+      if (arrow) {
+        th.append(el('span', 'wb-sort-arrow', arrow)); // its own box: wraps under a long label, never cut
+      }
       th.title = `${title} (click to sort)`;
       th.addEventListener('click', () => {
         this._descending = key === this._sortKey ? !this._descending : key !== 'name' && key !== 'backend';

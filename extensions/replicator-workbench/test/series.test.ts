@@ -11,7 +11,9 @@ import {
   alignSeries,
   DEFAULT_SMOOTHING,
   forLogScale,
+  formatPowerOfTen,
   IRunSeries,
+  logSplits,
   nearestValueIndex,
   parseSeries,
   prefersLog,
@@ -86,4 +88,12 @@ test('hparams show as name=value, are in the filter\u2019s text, and "lr=0.1" fi
   assert.deepEqual(sortAndFilter(rows, 'id', false, null, 'lr=0.1').map(r => r.id), ['a']);
   assert.deepEqual(sortAndFilter(rows, 'id', false, null, 'LR=').map(r => r.id), ['a', 'b']);
   assert.deepEqual(sortAndFilter(rows, 'id', false, null, 'batch=64 mirrored').map(r => r.id), ['a']);
+});
+
+test('a log axis is labelled at powers of ten only, thinned to fit, as 0.001 .. 10,000 or 1e-6', () => {
+  assert.deepEqual(logSplits(0.05, 200, 10), [0.1, 1, 10, 100]);
+  // Fifteen decades in five labels: every third, counted down from the top.
+  assert.deepEqual(logSplits(1e-12, 100, 5), [1e-10, 1e-7, 1e-4, 0.1, 100]);
+  assert.deepEqual(logSplits(0, 1, 5), []); // no log axis below zero
+  assert.deepEqual([1e-3, 0.1, 1, 1e4, 1e-6, 1e8].map(formatPowerOfTen), ['0.001', '0.1', '1', '10,000', '1e-6', '1e8']);
 });
