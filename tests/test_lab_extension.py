@@ -50,7 +50,7 @@ WAIT_MS = 90_000  # generous: CI machines have 2 shared cores
 
 @pytest.mark.slow
 def test_typescript_unit_tests_pass():
-    """`jlpm test`: the extension's pure logic (src/model.ts, src/templates.ts) under node --test."""
+    """`jlpm test`: the extension's pure logic (src/model.ts, src/series.ts, src/templates.ts) under node --test."""
     jlpm = shutil.which("jlpm")
     assert jlpm, "jlpm (JupyterLab's yarn) is missing: pip install jupyterlab"
     if not (EXTENSION / "node_modules").is_dir():  # `pip install` builds the extension and installs them
