@@ -69,9 +69,23 @@ def tensorboard_ema(values, weight):
 DECADES = [10 / s for s in range(1, 301)]  # 10 -> 0.033: spans more than 100x, "auto" is log
 
 
-def test_controls_redraw_the_final_figure_from_the_history_held():
+def changed(dash, control, value):
+    """Sets a control as the frontend would, and waits for the renderer to draw the change."""
+    drawn = dash.renders
+    control.value = value
+    deadline = time.monotonic() + 10
+    while dash.renders == drawn and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert dash.renders > drawn, f"{value!r} was not drawn"
+    return loss_panel()
+
+
+def test_controls_redraw_the_live_figure_from_the_history_held():
     dash = Dashboard(frontend="widgets", display=False)
-    run(dash, DECADES)
+    run_id = start(dash, DECADES)
+    deadline = time.monotonic() + 10
+    while dash.renders < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert dash._controls.layout.display == ""  # shown with the figure
     assert dash._smoothing_slider.value == "auto" and dash._scale_buttons.value == "auto"
     default_png = dash.png
@@ -79,35 +93,36 @@ def test_controls_redraw_the_final_figure_from_the_history_held():
     assert ax.get_yscale() == "log" and ax.get_title() == "loss (log scale)"
     np.testing.assert_allclose(default_line, run_plot._smooth(raw))  # today's line, unchanged
 
-    dash._smoothing_slider.value = 0.9  # what dragging the slider to 0.90 sends
-    ax, raw, line = loss_panel()
+    ax, raw, line = changed(dash, dash._smoothing_slider, 0.9)  # dragging the slider to 0.90
     np.testing.assert_allclose(line, tensorboard_ema(DECADES, 0.9))
     assert not np.allclose(line, default_line)
     assert dash.smoothing == 0.9 and dash._image.value == dash.png != default_png
 
-    dash._smoothing_slider.value = 0.0  # no smoothing: the line is the raw values
-    np.testing.assert_allclose(loss_panel()[2], DECADES)
+    line = changed(dash, dash._smoothing_slider, 0.0)[2]  # no smoothing: the raw values
+    np.testing.assert_allclose(line, DECADES)
 
-    dash._scale_buttons.value = "linear"  # linear although the loss spans decades
-    ax = loss_panel()[0]
+    ax = changed(dash, dash._scale_buttons, "linear")[0]  # linear although the loss spans decades
     assert ax.get_yscale() == "linear" and ax.get_title() == "loss"
     assert run_plot._shared._lines["examples/s"][0].get_yscale() == "linear"
 
-    dash._scale_buttons.value = "auto"
-    dash._smoothing_slider.value = "auto"
+    changed(dash, dash._scale_buttons, "auto")
+    changed(dash, dash._smoothing_slider, "auto")
     assert dash.png == default_png and dash._image.value == default_png
-    assert dash.error is None
+    end(dash, run_id)
 
 
 def test_log_scale_leaves_out_a_zero_loss_and_never_raises():
     losses = [1.0 - s / 400 for s in range(1, 101)]  # within 100x: "auto" draws it linear
     losses[49] = 0.0  # a perfect fit at step 50
     dash = Dashboard(frontend="widgets", display=False)
-    run(dash, losses)
+    run_id = start(dash, losses)
+    deadline = time.monotonic() + 10
+    while dash.renders < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert loss_panel()[0].get_yscale() == "linear"
 
-    dash._scale_buttons.value = "log"
-    ax, raw, line = loss_panel()
+    ax, raw, line = changed(dash, dash._scale_buttons, "log")
+    end(dash, run_id)
     assert ax.get_yscale() == "log" and "values <= 0 not drawn" in ax.get_title()
     assert math.isnan(raw[49]) and np.isfinite(np.delete(raw, 49)).all()
     assert dash.error is None and dash.png.startswith(b"\x89PNG")
@@ -155,7 +170,7 @@ def test_a_change_during_the_run_is_drawn_by_the_renderer_thread_at_once():
     assert loss_panel()[0].get_yscale() == "linear"  # the final figure keeps the choice
 
 
-def test_a_change_after_the_end_redraws_the_widget_without_new_output():
+def test_the_final_output_is_a_plain_png_and_a_later_change_only_carries_over():
     ipython_shell()
     with capture_output() as cap:
         dash = Dashboard(frontend="widgets", display=True)
@@ -163,11 +178,10 @@ def test_a_change_after_the_end_redraws_the_widget_without_new_output():
         final_png = dash.png
         shown = len(cap.outputs)
         dash._smoothing_slider.value = 0.95
-    # The widget redraws in place; the display's static PNG stays the figure the run ended with
-    # (updating it would make the frontend render the output again, controls and all).
-    assert len(cap.outputs) == shown
-    assert dash._image.value == dash.png != final_png
-    assert cap.outputs[-1].data["image/png"]
+    # No widget view in the saved output: it would show "model not found" once the kernel is gone.
+    assert set(cap.outputs[-1].data) == {"image/png", "text/plain"}
+    assert len(cap.outputs) == shown and dash.png == final_png  # nothing redrawn, nothing added
+    assert dashboard_module._choice["smoothing"] == 0.95  # the next run starts with it
 
 
 def test_a_script_gets_no_controls(capsys):

@@ -6,10 +6,10 @@ often as keeps its own drawing under `render_budget` of one core. It never clear
 output: in a kernel it shows one widget box (status, tqdm progress bar with ETA, the figure as an
 ipywidgets Image, and above it TensorBoard's two reading controls: smoothing and the y scale)
 under a display id. Widgets talk over comms, so updates from a background run's thread reach the
-frontend. When the run ends, the display is updated in place to the final figure: a static PNG
-(what nbval, nbclient, nbconvert and GitHub show) beside the same widget, which JupyterLab shows
-instead, so the controls keep redrawing the final figure while the kernel lives. Outside a
-kernel (a script, a terminal) it is a console tqdm bar and a one-line summary; the figure is the
+frontend. When the run ends, the display is replaced in place by a static PNG drawn with the
+smoothing and scale chosen (what nbval, nbclient and a saved notebook keep: a saved widget view
+shows "model not found" once its kernel is gone); the choice carries to the next run, and the
+sidebar's Compare view reads finished runs interactively. Outside a kernel (a script, a terminal) it is a console tqdm bar and a one-line summary; the figure is the
 PNG in the run store; there are no controls.
 """
 
@@ -30,7 +30,6 @@ from workbench._src.sinks import runstore
 Frontend = Literal["auto", "widgets", "console"]
 # tqdm without its own rate and ETA (the postfix carries the run's figures instead).
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # The smoothing slider's stops: "auto" (the figure's default smoothed line) then TensorBoard's
 # exponential moving average weights 0 (raw) .. 0.99.
 SMOOTHING_WEIGHTS = [round(i / 100, 2) for i in range(100)]
@@ -118,7 +117,6 @@ class Dashboard:
         self._draw_lock = threading.Lock()
         self._done = False  # the final figure is drawn; the renderer thread draws no more
         self._redraw_requested = False
-        self._final_title: str | None = None
         self._bar = None
         self._bar_clock_started = False
         self._handle = None
@@ -227,30 +225,16 @@ class Dashboard:
         self.scale = self._scale_buttons.value
         _choice.update(smoothing=self.smoothing, scale=self.scale)
         with self._draw_lock:
-            if not self._done:
-                # The renderer thread draws the live figure (and the final one, which reads the
-                # choice under this lock): wake it rather than race it. A foreground run holds
-                # the kernel, so its changes arrive when the cell ends: then the branch below.
-                self._redraw_requested = True
-                self._wake.set()
+            if self._done:
+                # The cell's output is a plain PNG now (below, _show_final): the choice only
+                # carries to the next run. The sidebar's Compare view reads finished runs
+                # interactively.
                 return
-            try:
-                self._redraw_final()
-            except Exception as e:  # noqa: BLE001 - a broken plot must not raise into the frontend
-                self.error = e
-
-    def _redraw_final(self) -> None:
-        """The final figure again, from the history held, with the current smoothing and scale."""
-        columns = self.history.snapshot()
-        if self.status == "closed" or self._final_title is None or not columns.get("step"):
-            return
-        self.png = run_plot.final_png(
-            self.run_id or "?", columns, self._final_title, self.smoothing, self.scale
-        )
-        # Only the widget: updating the display's static PNG too would make the frontend render
-        # the output again (the controls under the pointer would be rebuilt). The static PNG
-        # keeps the figure as the run ended.
-        self._image.value = self.png
+            # The renderer thread draws the live figure (and the final one, which reads the
+            # choice under this lock): wake it rather than race it. A foreground run holds the
+            # kernel, so its changes arrive when the cell ends.
+            self._redraw_requested = True
+            self._wake.set()
 
     def _refresh(self, final: bool, forced: bool = False) -> None:
         if self.status == "closed":
@@ -266,7 +250,6 @@ class Dashboard:
         title = run_plot.title_for(self.config, self.status, columns, self.name, self.target)
         if final:
             has_steps = bool(columns.get("step"))
-            self._final_title = title
             self.png = (
                 run_plot.final_png(self.run_id or "?", columns, title, self.smoothing, self.scale)
                 if has_steps
@@ -353,26 +336,20 @@ class Dashboard:
             self._controls.layout.display = ""
         self._stop_button.layout.display = "none"
         if self._handle is not None:
-            interactive = False
             if failed:  # the reason first, in one line; the traceback behind a toggle
                 bundle = {
                     "text/html": failed_html(self.name, reason, (self._ended or {}).get("details"), self.png)
                 }
             elif self.png is not None:
+                # A plain PNG (drawn with the smoothing and scale chosen while it ran), not the
+                # widget: a widget view saved in a notebook shows "model not found" once its
+                # kernel is gone, and nbval, nbconvert and GitHub show the PNG anyway.
                 bundle = {"image/png": base64.b64encode(self.png).decode("ascii")}
-                # The widget too, now showing just the final figure and its controls (the
-                # figure's title carries the header's numbers): JupyterLab prefers it, so the
-                # controls keep working while the kernel lives; whatever cannot show widgets
-                # (nbval, nbconvert, GitHub, an untrusted notebook) shows the PNG.
-                self._header.layout.display = "none"
-                self._row.layout.display = "none"
-                bundle[WIDGET_VIEW] = self.widget._repr_mimebundle_()[WIDGET_VIEW]
-                interactive = True
             else:
                 bundle = {}
             bundle["text/plain"] = text
             self._handle.update(bundle, raw=True)
-            if not self._background and not interactive:
+            if not self._background:
                 # A foreground cell is still running, so the replacement surely reached the
                 # frontend: free the comms. A background run's may not have (the cell ended).
                 self._bar.close() if self._bar is not None else None
