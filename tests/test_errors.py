@@ -345,7 +345,6 @@ def test_a_peer_that_never_starts_raises_instead_of_killing_the_caller():
 def test_peers_waiting_for_each_other_all_go_on():
     # Every task runs the same code: each holds its own port while it waits, so none deadlocks;
     # once a task goes on, "TensorFlow's server" (a listener here) binds the port it released.
-    import socket
     import threading
 
     from workbench._src.launch.join_watchdog import wait_for_peers
@@ -359,11 +358,9 @@ def test_peers_waiting_for_each_other_all_go_on():
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             results[i] = e
             return
-        server = socket.socket()
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("", ports[i]))  # the port is free again
-        server.listen(8)
-        servers.append(server)
+        # TensorFlow's server binds the port released (it answers the probe as a peer too)
+        spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
+        servers.append(tf.distribute.Server(spec, job_name="worker", task_index=i, start=True))
         all_done.wait(30)
 
     threads = [threading.Thread(target=task, args=(i,)) for i in range(3)]
@@ -374,9 +371,39 @@ def test_peers_waiting_for_each_other_all_go_on():
     all_done.set()
     for thread in threads:
         thread.join(30)
-    for server in servers:
-        server.close()
     assert all(isinstance(results.get(i), float) for i in range(3)), results
+
+
+def test_a_port_held_by_something_that_is_not_a_peer_is_named_within_the_timeout():
+    # A stale process or another program on a peer's port accepts TCP: it must not pass for a
+    # peer, or TensorFlow's join would wait for it forever.
+    import socket
+    import time
+
+    from workbench._src.launch.join_watchdog import wait_for_peers
+    from workbench._src.launch.peer_probe import NOT_A_PEER, PEER, UNREACHABLE, probe
+
+    ports = [_free_port(), _free_port()]
+    impostor = socket.socket()
+    impostor.bind(("127.0.0.1", ports[1]))
+    impostor.listen(8)  # accepts (the kernel completes the handshake) and never says anything
+    try:
+        assert probe(f"127.0.0.1:{ports[1]}", timeout=0.5) == NOT_A_PEER
+        start = time.monotonic()
+        with pytest.raises(
+            wb.WorkerError,
+            match=rf"(?s)1 of 1 accepted a connection but did not answer as a TensorFlow peer: worker 1 at "
+            rf"127\.0\.0\.1:{ports[1]} \(another program, or a stale or frozen process, holds that port\)"
+            r".*Fix: end what holds the port",
+        ):
+            wait_for_peers(_resolver(ports, 0), timeout=2.0)
+        assert time.monotonic() - start < 2.0 + 3
+    finally:
+        impostor.close()
+    assert probe(f"127.0.0.1:{ports[1]}", timeout=0.5) == UNREACHABLE
+    spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{ports[1]}"]})
+    tf.distribute.Server(spec, job_name="worker", task_index=0, start=True)
+    assert probe(f"127.0.0.1:{ports[1]}", timeout=2.0) == PEER  # a real TensorFlow server (gRPC)
 
 
 @pytest.mark.parametrize("run_id", ["../x", "../../etc", "a/b", "..", "/tmp/x"])

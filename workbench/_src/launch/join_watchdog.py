@@ -3,13 +3,15 @@
 TensorFlow's MultiWorkerMirroredStrategy waits forever for a peer that never starts, inside its
 constructor, in C++: no Python thread, signal handler or timeout runs meanwhile, so the caller
 cannot time itself out once it is in there. `wait_for_peers(resolver, timeout)` is therefore
-called *before* the constructor: it polls until every other task's address accepts a TCP
-connection and raises WorkerError naming the silent ones when `timeout` passes. The calling
+called *before* the constructor: it polls until every other task's address answers as a peer
+(launch/peer_probe.py: a TCP accept alone may be a stale process or another program on the
+port) and raises WorkerError naming the others when `timeout` passes, saying which accepted
+without answering as a peer. The calling
 process (a notebook kernel, a script) gets an exception, never a signal.
 
 Each peer runs the same code, and a task's gRPC port only opens inside its own constructor, so
-while it waits a task holds its own port with a placeholder listener (accepting and closing
-probes) and releases it just before returning; TensorFlow's server binds the port next.
+while it waits a task holds its own port with a placeholder listener (greeting probes as a
+peer) and releases it just before returning; TensorFlow's server binds the port next.
 
 `python -m workbench._src.launch.join_watchdog PARENT TIMEOUT ME ADDRESSES` is the backstop for
 the remaining window (a peer that was reachable and then died before the join completed): it
@@ -27,6 +29,8 @@ import socket
 import sys
 import threading
 import time
+
+from workbench._src.launch.peer_probe import GREETING, NOT_A_PEER, PEER, UNREACHABLE, probe
 
 POLL_SECONDS = 0.25
 
@@ -46,7 +50,7 @@ def peer_addresses(resolver) -> dict[str, str]:
 
 
 def wait_for_peers(resolver, timeout: float, poll: float = POLL_SECONDS) -> float:
-    """Blocks until every peer of this task accepts a TCP connection; returns the seconds waited.
+    """Blocks until every peer of this task answers as a peer; returns the seconds waited.
 
     Args:
       resolver: the tf.distribute cluster resolver the strategy will be built with (its task is
@@ -58,33 +62,50 @@ def wait_for_peers(resolver, timeout: float, poll: float = POLL_SECONDS) -> floa
     A peer seen once counts as started (it may be inside its own constructor, between releasing
     its placeholder and TensorFlow binding the port).
     """
-    # here: this module is also the backstop process (`python -m ...join_watchdog`), which starts
-    # with nothing of the workbench imported
-    from workbench._src.core.errors import WorkerError
-
     start = time.monotonic()
     peers = peer_addresses(resolver)
-    waiting = dict(peers)
+    waiting = {task: UNREACHABLE for task in peers}  # task -> what its address answered last
     with _placeholder(_own_port(resolver)):
         while waiting:
-            for task, address in list(waiting.items()):
-                if _accepts(address):
+            for task in list(waiting):
+                waiting[task] = probe(peers[task])
+                if waiting[task] == PEER:
                     del waiting[task]
             if not waiting:
                 break
             if time.monotonic() - start >= timeout:
-                names = ", ".join(f"{task} at {address}" for task, address in waiting.items())
-                me = f"{resolver.task_type} {resolver.task_id}"
-                raise WorkerError(
-                    f"This process ({me}) waited startup_timeout={timeout:g} s for the other processes "
-                    f"of the cluster, and {len(waiting)} of {len(peers)} never accepted a connection: "
-                    f"{names}. Nothing was started here, so the process is still usable. Fix: start "
-                    "the same program on every host of the cluster (each with its own TF_CONFIG task), "
-                    "check the addresses and firewalls, or raise startup_timeout.",
-                    task=next(iter(waiting)),
-                )
+                raise _peers_missing(resolver, timeout, peers, waiting)
             time.sleep(poll)
     return time.monotonic() - start
+
+
+def _peers_missing(resolver, timeout: float, peers: dict, waiting: dict):
+    from workbench._src.core.errors import WorkerError
+
+    me = f"{resolver.task_type} {resolver.task_id}"
+    silent = [f"{task} at {peers[task]}" for task, answer in waiting.items() if answer != NOT_A_PEER]
+    impostors = [f"{task} at {peers[task]}" for task, answer in waiting.items() if answer == NOT_A_PEER]
+    said = []
+    if silent:
+        said.append(f"{len(silent)} of {len(peers)} never accepted a connection: {', '.join(silent)}")
+    if impostors:
+        said.append(
+            f"{len(impostors)} of {len(peers)} accepted a connection but did not answer as a TensorFlow "
+            f"peer: {', '.join(impostors)} (another program, or a stale or frozen process, holds "
+            "that port)"
+        )
+    fix = "start the same program on every host of the cluster (each with its own TF_CONFIG task)"
+    if impostors:
+        fix = (
+            "end what holds the port (e.g. `ss -ltnp` on that host shows its process) or give the task another port, then "
+            + fix
+        )
+    return WorkerError(
+        f"This process ({me}) waited startup_timeout={timeout:g} s for the other processes of the "
+        f"cluster, and {'; '.join(said)}. Nothing was started here, so the process is still usable. "
+        f"Fix: {fix}, check the addresses and firewalls, or raise startup_timeout.",
+        task=next(iter(waiting)),
+    )
 
 
 def _accepts(address: str) -> bool:
@@ -110,7 +131,7 @@ def _own_port(resolver) -> int | None:
 @contextlib.contextmanager
 def _placeholder(port: int | None):
     """Listens on `port` (every interface, as TensorFlow's server will) while the peers are
-    awaited, accepting and closing their probes; nothing if the port is taken already (e.g. this
+    awaited, greeting their probes as a peer; nothing if the port is taken already (e.g. this
     process's TensorFlow server is up)."""
     listener = None
     if port:
@@ -137,7 +158,9 @@ def _placeholder(port: int | None):
             with conn:  # let the prober close first, so the TIME_WAIT is on its side
                 conn.settimeout(0.5)
                 with contextlib.suppress(OSError):
-                    conn.recv(1)
+                    conn.sendall(GREETING)
+                    while conn.recv(64):
+                        pass
 
     thread = threading.Thread(target=serve, name="workbench peer placeholder", daemon=True)
     thread.start()
@@ -159,7 +182,7 @@ def main() -> None:
     ready, _, _ = select.select([sys.stdin], [], [], timeout)
     if ready:
         return
-    missing = [f"{task} at {address}" for task, address in addresses.items() if not _accepts(address)]
+    missing = [f"{task} at {address}" for task, address in addresses.items() if probe(address) != PEER]
     names = ", ".join(missing) or "a peer that stopped answering"
     sys.stderr.write(
         f"\nworkbench: this process ({me}) has waited {timeout:.0f} s inside TensorFlow's cluster join "
