@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         "processes on a Ray cluster: ray, ray=ADDRESS, ray=local; default: start local processes",
     )
     run.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the cluster")
+    run.add_argument(
+        "--worker-timeout",
+        type=float,
+        help="async-ps on a cluster: seconds a worker may not answer before it is declared lost and "
+        "the run goes on without it (default 60)",
+    )
     run.add_argument("--cpus", type=int, help="virtual CPU devices in this process (default 8 without GPUs)")
     scale = sub.add_parser(
         "scale",

@@ -3,16 +3,21 @@ that schedules chunks of it on the workers (see backends/async_ps.py for the rep
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
 
 import numpy as np
 
+from workbench._src.backends.worker_watch import WorkerWatch
 from workbench._src.core.errors import InputError, WorkerError
 from workbench._src.core.inputs import InputContext, call_input_fn
 from workbench._src.core.program import Program, _is_infinite, call_compiled
 from workbench._src.core.tf_setup import tf
+
+LOST_CHUNK_GRACE = 3.0  # seconds a chunk may still come back after its worker is declared lost
+STOP_GRACE = 3.0  # seconds a chunk may still come back once a stop is asked for
 
 
 class AsyncProgram(Program):
@@ -80,10 +85,17 @@ class CoordinatorExecutor:
         self.max_in_flight = 2 * self.repl.num_workers
         self.run = None
         self.unreachable: set[str] = set()  # workers a fetch failed with (servers we do not watch)
+        self.watch: WorkerWatch | None = None  # probes the workers of a cluster we did not start
+        self._stop_seen: float | None = None  # when this run's stop request was first seen
+        self._left_behind = False
 
     def start(self, run) -> None:
         self.run = run
         self.executed_before = int(self.repl.executed_steps.numpy())
+        timeout = self.repl.plan.worker_timeout
+        if self.repl.servers is None and timeout and self.repl.worker_addresses:
+            addresses = self.repl.worker_addresses
+            self.watch = WorkerWatch({f"worker {i}": a for i, a in enumerate(addresses)}, timeout)
 
     def agree(self, k: int, stop: bool) -> tuple[int, bool]:
         return k, stop
@@ -109,8 +121,11 @@ class CoordinatorExecutor:
                 fetched.set()
 
         threading.Thread(target=fetch, name="workbench fetch", daemon=True).start()
+        waiting_since = time.monotonic()
         while not fetched.wait(0.1):
             self._check_servers()
+            if self._abandon(waiting_since):
+                return None  # (TensorFlow may still run it, later: execution is at-least-once)
         # And once per chunk however fast it returned: a worker that died while every fetch
         # came back within the poll (the coordinator re-ran its closures elsewhere) is still
         # reported, at the step it was noticed, not never.
@@ -120,8 +135,61 @@ class CoordinatorExecutor:
         rows, done = box["value"]
         done = int(done)
         self.program.steps_done += done
-        self.program.fused_traced = True
+        if not self.program.fused_traced:
+            self.program.fused_traced = True
+            # Free the tracing's garbage now, while every worker answers. A function freed later
+            # by the cycle collector is removed from every worker's context by an RPC that holds
+            # the GIL: with a worker's host cut off, that froze the whole coordinator (Ctrl-C
+            # included) until TCP gave up, minutes later.
+            gc.collect()
         return np.asarray(rows)[:done], done
+
+    def _abandon(self, waiting_since: float) -> bool:
+        """True when the chunk being waited for will not come back in time: it is on a worker
+        declared lost (it is still waiting LOST_CHUNK_GRACE s after the declaration, while the
+        other workers' chunks take milliseconds), or a stop was asked for and it has not come
+        back within STOP_GRACE s (Ctrl-C ends the run in seconds even while a worker is cut)."""
+        now = time.monotonic()
+        run = self.run
+        if run is not None and run.stop_requested:
+            if self._stop_seen is None:
+                self._stop_seen = now
+            if now - max(self._stop_seen, waiting_since) >= STOP_GRACE:
+                if not self._left_behind:  # (said once, however many chunks are left)
+                    self._left_behind = True
+                    run.publish(
+                        "message",
+                        text=f"stopping: a chunk that has not come back within {STOP_GRACE:g} s (a "
+                        "worker that does not answer) is left behind; the history ends before it",
+                    )
+                return True
+        if self.watch is None:
+            return False
+        self._say_worker_changes()
+        lost_at = self.watch.latest_loss()
+        return lost_at is not None and now - max(lost_at, waiting_since) >= LOST_CHUNK_GRACE
+
+    def _say_worker_changes(self) -> None:
+        watch, run = self.watch, self.run
+        for name, change in watch.changes():
+            address = watch.workers[name]
+            if change == "lost":
+                text = (
+                    f"{name} at {address} has not answered for {watch.timeout:g} s (worker_timeout): "
+                    f"declared lost; the run goes on with {watch.live()} of {len(watch.workers)} workers"
+                )
+            else:
+                text = f"{name} at {address} answers again: it rejoins the run"
+            if run is not None:
+                run.publish("message", text=text)
+        if watch.live() == 0:
+            silent = ", ".join(f"{name} at {address}" for name, address in watch.workers.items())
+            raise WorkerError(
+                f"every worker of the run stopped answering for worker_timeout={watch.timeout:g} s: "
+                f"{silent}. Nothing trains without a worker. Fix: check that the worker hosts are up "
+                "and reachable from this one, then run again (from the last checkpoint, if you saved one).",
+                task=next(iter(watch.workers)),
+            )
 
     def _lost_or_raise(self, error):
         """None (run the chunk again) when its fetch failed with a lost worker, else raises.
@@ -147,14 +215,19 @@ class CoordinatorExecutor:
         raise _translated_input_error(error) from None
 
     def parallelism(self) -> int:
-        return max(1, self.repl.live_workers())
+        return max(1, self._live_workers())
 
     def extra_columns(self) -> dict:
-        return {"workers": self.repl.live_workers()}
+        return {"workers": self._live_workers()}
+
+    def _live_workers(self) -> int:
+        return self.watch.live() if self.watch is not None else self.repl.live_workers()
 
     def _check_servers(self) -> None:
         if self.repl.servers is not None:  # (a real cluster's servers are not ours to watch)
             self.repl.servers.check(self.run)
+        elif self.watch is not None:
+            self._say_worker_changes()
 
     def explain(self, error: BaseException) -> BaseException:
         """A failure while a server is dying (e.g. during a checkpoint save) is the server's death."""
@@ -177,6 +250,8 @@ class CoordinatorExecutor:
         return True
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         run = self.run
         if run is None or not self.healthy():
             return

@@ -30,18 +30,28 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import weakref
 
 from workbench._src.backends.async_coordinator import AsyncProgram, CoordinatorExecutor
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
+from workbench._src.backends.worker_watch import DEFAULT_WORKER_TIMEOUT
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
+from workbench._src.core import tf_setup
 from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
 from workbench._src.launch.join_watchdog import wait_for_peers
 from workbench._src.launch.launcher import Task
 from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.servers import LocalServers
+
+def _worker_failures_said_by_the_run(record) -> bool:
+    """Drops the coordinator's own log lines about a failing worker ("Worker /job:worker/... failed
+    with UnavailableError" and its gRPC details, at ERROR): the run says it in one sentence
+    (backends/worker_watch.py, async_coordinator.py). WORKBENCH_TF_LOGS=1 keeps them."""
+    return not record.pathname.endswith("cluster_coordinator.py")
+
 
 _connected = None  # weakref to the replicator whose cluster this process uses (one at a time)
 
@@ -58,10 +68,21 @@ class AsyncPsPlan(LaunchPlan):
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
     ray: RayCluster | None = None  # placed on a Ray cluster (launch/ray_pool.py), else local
+    # A worker of a cluster this process did not start (a real cluster, a Ray pool) that has not
+    # answered for this long is lost, and the run goes on without it (backends/worker_watch.py).
+    worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
         check_positive_int("num_ps", self.num_ps)
+        if self.worker_timeout is not None and not (
+            isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0
+        ):
+            raise ConfigurationError(
+                f"worker_timeout is the seconds a silent worker has before it is declared lost; received "
+                f"worker_timeout={self.worker_timeout!r}. Fix: worker_timeout=60 (say), or None to wait for "
+                "a silent worker forever."
+            )
 
     @property
     def num_replicas(self) -> int:
@@ -86,6 +107,7 @@ class AsyncPsPlan(LaunchPlan):
             "num_ps": self.num_ps,
             "startup_timeout": self.startup_timeout,
             "threads_per_server": self.threads_per_server,
+            "worker_timeout": self.worker_timeout,
         }
         if cluster is not None:  # its servers are elsewhere (a Ray pool's members): no local ones
             options["cluster"] = {"cluster": cluster, "task": {"type": "chief", "index": 0}}
@@ -129,6 +151,11 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         is the coordinator ("chief").
       startup_timeout: seconds for the local servers to come up.
       heartbeat_timeout: a local coordinator process silent this long is declared frozen.
+      worker_timeout: with `cluster=` (or a Ray cluster), a worker whose address has not answered
+        for this many seconds (its host cut off, its process frozen) is declared lost: the run
+        says so and goes on with the others, and the worker rejoins if it answers again; when
+        every worker is lost the run fails with WorkerError. None: wait for it forever.
+        (Local servers are watched by their heartbeats instead.)
       threads_per_server: TensorFlow threads in each local server (None: TensorFlow's choice).
       idle_timeout: seconds a warm pool (coordinator and servers) stays up unused (None: until
         shutdown()).
@@ -154,6 +181,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         *,
         startup_timeout: float = 120.0,
         heartbeat_timeout: float = 10.0,
+        worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT,
         threads_per_server: int | None = None,
         idle_timeout: float | None = 600.0,
         pool: bool = True,
@@ -161,11 +189,19 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
     ):
         super().__init__(**input_options)
         self.plan = AsyncPsPlan(
-            num_workers, num_ps, startup_timeout, heartbeat_timeout, threads_per_server, idle_timeout, pool
+            num_workers,
+            num_ps,
+            startup_timeout,
+            heartbeat_timeout,
+            threads_per_server,
+            idle_timeout,
+            pool,
+            worker_timeout=worker_timeout,
         )
         self._cluster_option = cluster
         self.coordinator = None
         self.servers: LocalServers | None = None  # started by this process (a local coordinator)
+        self.worker_addresses: list[str] = []  # a cluster's workers (not started by this process)
 
     @classmethod
     def from_replicas(cls, num_replicas=None, num_workers=None, num_ps=None, **kwargs):
@@ -204,6 +240,8 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
             previous.shutdown(reason="another async-ps replicator connected")
         strategy = t.distribute.ParameterServerStrategy(self._resolver())
         self.coordinator = t.distribute.coordinator.ClusterCoordinator(strategy)
+        if not tf_setup.tf_logs_wanted():
+            logging.getLogger("tensorflow").addFilter(_worker_failures_said_by_the_run)
         with strategy.scope():
             # Our own exact step counter (see the module docstring): a raw variable on a PS.
             self.executed_steps = t.Variable(0, dtype=t.int64, trainable=False, name="workbench_steps")
@@ -219,6 +257,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
             # TensorFlow waits for a server that never starts with no deadline: wait here, where
             # startup_timeout can still raise naming the tasks that never came.
             wait_for_peers(resolver, self.plan.startup_timeout)
+            self.worker_addresses = spec.get("worker", [])  # (watched by the run: worker_timeout)
             return resolver
         # Here in a coordinator process the launcher started (in the notebook the replicator is
         # remote and never gets here): its servers are its own children.

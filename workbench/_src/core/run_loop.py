@@ -257,6 +257,8 @@ class ChunkLoop:
                 break
             handle, chunk, submitted = in_flight.popleft()
             result = executor.collect(handle)
+            if result is None and run.stop_requested:
+                continue  # left behind on a worker that does not answer: the run is stopping
             if result is None:  # lost with a dead worker and not re-run by TensorFlow: run it again
                 submitted = time.perf_counter()
                 in_flight.append((executor.submit(chunk), chunk, submitted))

@@ -9,6 +9,7 @@ cell does); on a real cluster every host runs the same command with its own TF_C
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -63,6 +64,9 @@ def run_file(args) -> int:
 
         session._set(repl, None)
         set_source(path.resolve())  # the run store names the script as the runs' source
+        # SIGTERM (a scheduler ending the job, `kill`) asks what Ctrl-C asks: stop at the next step
+        # boundary, keeping the history and the checkpoint; a second one aborts.
+        signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
         run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
     except Exception as e:  # noqa: BLE001 - one sentence first, the details after it
         return _report_failure(e, args)
@@ -138,6 +142,13 @@ def _check_options(args) -> None:
     """The counts and --cluster fit the backend: a sentence with the fix, not a TypeError."""
     backend = registry.spec(args.backend, example="workbench run FILE --backend mirrored")
     registry.check_counts(backend, args.replicas, args.workers, args.ps)
+    if args.worker_timeout is not None and backend.synchronous:
+        raise ConfigurationError(
+            f"--worker-timeout is how long an async-ps worker may be silent before the run goes on "
+            f"without it; the {backend.name} backend is synchronous (every worker takes every step), so "
+            f"it has none. Received --backend {args.backend} --worker-timeout {args.worker_timeout:g}. "
+            "Fix: --backend async-ps, or leave --worker-timeout out."
+        )
     if args.cluster and not backend.takes_workers:
         takers = " or ".join(registry.names(takes_workers=True))
         raise ConfigurationError(
@@ -162,4 +173,6 @@ def _make_replicator(args):
         extra["cluster"] = RayCluster.from_option(args.cluster) if _on_ray(args) else args.cluster
     if registry.spec(args.backend).in_processes:
         extra["startup_timeout"] = args.startup_timeout
+    if args.worker_timeout is not None:
+        extra["worker_timeout"] = args.worker_timeout
     return registry.replicator(args.backend, num_replicas=args.replicas, **extra)

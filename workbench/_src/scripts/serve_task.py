@@ -19,8 +19,11 @@ from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import tf
 
 # The chief's port closes for a moment between its join's placeholder listener and its own
-# TensorFlow server (launch/join_watchdog.py): only a longer silence means it is gone.
+# TensorFlow server (launch/join_watchdog.py): only a longer refusal means it is gone.
 CHIEF_GONE_SECONDS = 5.0
+# A chief that does not answer at all (its host cut off or down) may come back: the network
+# heals and the run goes on with this task (it rejoins). Only this long a silence ends the task.
+CHIEF_SILENT_SECONDS = 300.0
 
 
 def is_server_task(cluster) -> bool:
@@ -63,26 +66,40 @@ def serve(cluster, startup_timeout: float) -> int:
                 return _leave(None, 1)
             time.sleep(0.5)
         _say(f"async-ps {task}: the chief at {chief} is up; serving its run")
-        silent_since = None
+        refused_since = silent_since = None
         while True:
-            if _accepts(chief):
-                silent_since = None
-            elif silent_since is None:
-                silent_since = time.monotonic()
-            elif time.monotonic() - silent_since > CHIEF_GONE_SECONDS:
+            state = _chief_state(chief)
+            now = time.monotonic()
+            refused_since = (refused_since or now) if state == "refused" else None
+            silent_since = (silent_since or now) if state == "silent" else None
+            if refused_since is not None and now - refused_since > CHIEF_GONE_SECONDS:
                 return _leave(f"async-ps {task}: the chief at {chief} has gone (its run ended); exiting", 0)
+            if silent_since is not None and now - silent_since > CHIEF_SILENT_SECONDS:
+                return _leave(
+                    f"async-ps {task}: the chief at {chief} has not answered for {CHIEF_SILENT_SECONDS:.0f} s "
+                    "(its host down or cut off from this one); exiting",
+                    1,
+                )
             time.sleep(1.0)
     except KeyboardInterrupt:
         return _leave(f"async-ps {task}: interrupted; exiting", 130)
 
 
 def _accepts(address: str) -> bool:
+    return _chief_state(address) == "up"
+
+
+def _chief_state(address: str) -> str:
+    """ "up" (accepts), "refused" (its host answers, nothing listens: the run ended) or "silent"
+    (no answer, or no route: the network between us is down)."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=1.0):
-            return True
+            return "up"
+    except ConnectionRefusedError:
+        return "refused"
     except OSError:
-        return False
+        return "silent"
 
 
 def _say(text: str) -> None:
