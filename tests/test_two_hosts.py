@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 
 import pandas as pd
@@ -116,3 +120,192 @@ def test_a_server_task_whose_chief_never_comes_gives_up_with_the_fix(hosts, tmp_
     assert code == 1, text[-2000:]
     assert f"the chief at {cluster['chief'][0]} never came within startup_timeout=5 s" in text
     assert "Fix: start `workbench run FILE --backend async-ps --cluster TF_CONFIG` in the chief task" in text
+
+
+# ----- faults on a real cluster: nothing hangs silently -------------------------------------
+def _async_cluster_running(hosts, tmp_path, *chief_options: str):
+    """ps 0 and worker 0 on host 0, worker 1 on host 1 (`workbench run` server tasks), and the
+    chief on host 0 training with `chief_options`; returns (chief, servers) once steps show."""
+    cluster = _cluster(hosts)
+    run = [
+        *WORKBENCH,
+        "run",
+        TRAIN,
+        "--backend",
+        "async-ps",
+        "--cluster",
+        "TF_CONFIG",
+        "--startup-timeout",
+        "90",
+    ]
+    servers = {}
+    for task_type, index, host in (("ps", 0, 0), ("worker", 0, 0), ("worker", 1, 1)):
+        log = open(tmp_path / f"{task_type}{index}.log", "w")
+        servers[f"{task_type} {index}"] = hosts.popen(
+            host, [*run, "--steps", "1"], _tf_config(cluster, task_type, index), log
+        )
+    log = open(tmp_path / "chief.log", "w")
+    chief = hosts.popen(
+        0, [*run, *chief_options], {**_tf_config(cluster, "chief", 0), "PYTHONUNBUFFERED": "1"}, log
+    )
+    _wait_for_text(tmp_path / "chief.log", "step ", 180, chief)
+    # In its steady state: a cut in a run's first second, while TensorFlow still registers the
+    # run's functions on every worker, once held the coordinator (not understood; see the notes)
+    deadline = time.monotonic() + 60
+    while _last_step(tmp_path / "chief.log") < 1000 and time.monotonic() < deadline and chief.poll() is None:
+        time.sleep(0.2)
+    return chief, servers
+
+
+def _wait_for_text(path, text: str, timeout: float, process=None) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = path.read_text()
+        if text in content:
+            return content
+        if process is not None and process.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path.name} within {timeout:.0f} s:\n{path.read_text()[-3000:]}")
+
+
+def _last_step(path) -> int:
+    steps = re.findall(r"^step (\d+)/", path.read_text(), flags=re.M)
+    return int(steps[-1]) if steps else 0
+
+
+def test_async_ps_cut_worker_host_is_declared_lost_rejoins_and_ctrl_c_during_a_cut_ends_the_run(
+    hosts, tmp_path
+):
+    history = tmp_path / "history.csv"
+    chief, servers = _async_cluster_running(
+        hosts, tmp_path, "--steps", "10000000", "--worker-timeout", "8", "--history", str(history)
+    )
+    log = tmp_path / "chief.log"
+    hosts.cut()
+    cut = time.monotonic()
+    lost = (
+        f"worker 1 at {_cluster(hosts)['worker'][1]} has not answered for 8 s (worker_timeout): declared lost"
+    )
+    _wait_for_text(log, lost, 8 + 20, chief)
+    assert time.monotonic() - cut >= 8 - 2.5  # silent since its last answer, up to a probe before the cut
+    assert "the run goes on with 1 of 2 workers" in log.read_text()
+    at_loss = _last_step(log)
+    time.sleep(5)
+    assert _last_step(log) > at_loss + 100, "the run did not go on with worker 0"
+
+    hosts.heal()
+    _wait_for_text(log, "answers again: it rejoins the run", 20, chief)
+    assert servers["worker 1"].poll() is None  # the worker waited out the silent chief
+
+    hosts.cut()  # Ctrl-C while a chunk is stuck on the cut-off worker: out in seconds
+    time.sleep(2)
+    chief.send_signal(signal.SIGINT)
+    interrupted = time.monotonic()
+    code = _wait(chief, 30)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert time.monotonic() - interrupted < 10, f"Ctrl-C took {time.monotonic() - interrupted:.0f} s"
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert summary["status"] == "stopped" and summary["stop_reason"].startswith("interrupted at step")
+    rows = pd.read_csv(history)
+    assert len(rows) == summary["steps"] > at_loss and list(rows["step"]) == list(range(1, len(rows) + 1))
+    assert set(rows["workers"]) == {1, 2}  # the history says when the run had one worker
+    assert "Traceback" not in text and "ERROR:tensorflow" not in text
+
+
+def test_async_ps_killed_remote_worker_is_reported_and_the_run_goes_on(hosts, tmp_path):
+    history = tmp_path / "history.csv"
+    chief, servers = _async_cluster_running(
+        hosts, tmp_path, "--steps", "6000", "--worker-timeout", "5", "--history", str(history)
+    )
+    servers["worker 1"].kill()  # on host 1: its port now refuses
+    code = _wait(chief, 240)
+    text = (tmp_path / "chief.log").read_text()
+    assert code == 0, text[-3000:]
+    said = [line for line in text.splitlines() if line.startswith("[workbench] worker 1")]
+    assert said, f"the dead worker was never reported:\n{text[-3000:]}"
+    rows = pd.read_csv(history)
+    assert list(rows["step"]) == list(range(1, 6001))  # every step, on the worker left
+    assert rows["workers"].iloc[-1] == 1
+
+
+def test_multi_worker_link_cut_ends_both_hosts_with_a_sentence_and_the_chiefs_history(hosts, tmp_path):
+    a, b = hosts.addresses
+    cluster = {"worker": [f"{a}:23110", f"{b}:23111"]}
+    run = [
+        *WORKBENCH,
+        "run",
+        TRAIN,
+        "--backend",
+        "multi-worker",
+        "--cluster",
+        "TF_CONFIG",
+        "--steps",
+        "10000000",
+    ]
+    workers = []
+    for index in (0, 1):
+        log = open(tmp_path / f"worker{index}.log", "w")
+        csv = ["--history", str(tmp_path / f"history{index}.csv")]
+        env = {**_tf_config(cluster, "worker", index), "PYTHONUNBUFFERED": "1"}
+        workers.append(hosts.popen(index, [*run, *csv], env, log))
+    _wait_for_text(tmp_path / "worker0.log", "step ", 240, workers[0])
+    time.sleep(2)
+    hosts.cut()
+    cut = time.monotonic()
+    codes = [_wait(worker, 30 - (time.monotonic() - cut)) for worker in workers]
+    logs = [(tmp_path / f"worker{index}.log").read_text() for index in (0, 1)]
+    assert codes == [1, 1], f"exit codes {codes} within 30 s of the cut:\n" + "\n".join(
+        x[-2000:] for x in logs
+    )
+    a_said, b_said = (text.split("--- details ---")[0] for text in logs)  # ours, before TensorFlow's
+    assert re.search(
+        rf"^workbench run: the run failed after step \d+: worker 1 at {b}:23111 stopped answering",
+        a_said,
+        re.M,
+    ), logs[0][-3000:]
+    assert re.search(
+        rf"^workbench run: the run failed after step \d+: this task \(worker 1\) lost the coordination "
+        rf"service on worker 0 at {a}:23110",
+        b_said,
+        re.M,
+    ), logs[1][-3000:]
+    for said in (a_said, b_said):
+        assert "No checkpoint was kept: give --checkpoint DIR" in said
+        assert not [line for line in said.splitlines() if not line.startswith(("step ", "workbench run:"))], (
+            said
+        )
+    rows = pd.read_csv(tmp_path / "history0.csv")  # the chief's rows, up to the failure
+    assert len(rows) > 0 and list(rows["step"]) == list(range(1, len(rows) + 1))
+
+
+def test_a_port_held_by_something_that_is_not_a_peer_fails_the_join_within_the_timeout(hosts, tmp_path):
+    a, b = hosts.addresses
+    cluster = {"worker": [f"{a}:23120", f"{b}:23121"]}
+    impostor = hosts.popen(  # a stale process on worker 1's port: accepts TCP, says nothing
+        1,
+        [
+            sys.executable,
+            "-c",
+            f"import socket,time; s=socket.socket(); s.bind(('{b}', 23121)); s.listen(); time.sleep(600)",
+        ],
+        {},
+        subprocess.DEVNULL,
+    )
+    with open(tmp_path / "worker0.log", "w") as log:
+        started = time.monotonic()
+        worker = hosts.popen(
+            0,
+            [*WORKBENCH, "run", TRAIN, "--backend", "multi-worker", "--cluster", "TF_CONFIG", "--steps", "10",
+             "--startup-timeout", "10"],
+            _tf_config(cluster, "worker", 0),
+            log,
+        )  # fmt: skip
+        code = _wait(worker, 120)
+    text = (tmp_path / "worker0.log").read_text()
+    assert code == 1, text[-3000:]
+    assert f"worker 1 at {b}:23121 (another program, or a stale or frozen process, holds that port)" in text
+    assert "did not answer as a TensorFlow peer" in text and "Fix: end what holds the port" in text
+    assert time.monotonic() - started < 10 + 60  # the deadline, plus TensorFlow's import
+    assert impostor.poll() is None  # (ended with the hosts)

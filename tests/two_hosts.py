@@ -45,9 +45,11 @@ class TwoHosts:
 
     def popen(self, host: int, argv: list[str], env: dict, log) -> subprocess.Popen:
         """Starts argv on host 0 or 1 with `env` added to this environment, output into `log`."""
+        # As from a fresh shell: not the log level this test process's TensorFlow import set.
+        inherited = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
         return subprocess.Popen(
             ["ip", "netns", "exec", self.names[host], *argv],
-            env={**os.environ, **env},
+            env={**inherited, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -57,6 +59,11 @@ class TwoHosts:
         """Takes the link between the hosts down (both ends)."""
         for name, link in zip(self.names, self.links):
             _ip("-n", name, "link", "set", link, "down", check=False)
+
+    def heal(self) -> None:
+        """Brings the link between the hosts up again (after cut())."""
+        for name, link in zip(self.names, self.links):
+            _ip("-n", name, "link", "set", link, "up", check=False)
 
     def pids(self) -> list[int]:
         found = []

@@ -9,6 +9,8 @@ cell does); on a real cluster every host runs the same command with its own TF_C
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import sys
 import traceback
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from workbench._src.backends import registry
 from workbench._src.core import tf_setup
+from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
 from workbench._src.launch.ray_cluster import RayCluster
@@ -36,6 +39,12 @@ def run_file(args) -> int:
         return 2
     source = path.read_text()
 
+    if args.cluster and not _on_ray(args) and not tf_setup.tf_logs_wanted():
+        # On a real cluster a failing peer makes TensorFlow's C++ side log ERROR lines (aborted
+        # collectives, functions it could not remove remotely) as it happens, before the run's
+        # own sentence; the exception carries the same message into "--- details ---". Set
+        # before TensorFlow's import; a level the user set is kept (WORKBENCH_TF_LOGS=1: all).
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if args.cpus:
         tf_setup.configure_devices(cpus=args.cpus)
     try:
@@ -125,8 +134,14 @@ def _report_failure(error: Exception, args) -> int:
     failed = getattr(error, "run", None)
     where = f" after step {failed.steps}" if failed is not None else ""  # (in a fused chunk: somewhere after)
     first, *rest = (str(error) or type(error).__name__).splitlines() or [""]
+    peer = _lost_peer(error, args)
     if isinstance(error, WorkbenchError):
         print(f"workbench run: {type(error).__name__}: {error}", file=sys.stderr)
+    elif peer:
+        print(
+            f"workbench run: the run failed{where}: {peer} ({type(error).__name__}).{_resume_hint(args)}",
+            file=sys.stderr,
+        )
     else:
         print(f"workbench run: the run failed{where}: {type(error).__name__}: {first}", file=sys.stderr)
     if args.history and failed is not None:  # the rows up to the failure are kept
@@ -136,6 +151,52 @@ def _report_failure(error: Exception, args) -> int:
         print("--- details ---", file=sys.stderr)
         traceback.print_exception(error, file=sys.stderr)
     return 2 if isinstance(error, ConfigurationError) else 1
+
+
+_UNHEALTHY = re.compile(r"unhealthy \(stopped sending heartbeats\):\s*/job:(\w+)/replica:\d+/task:(\d+)")
+_REMOTE = re.compile(r"from (?:remote target )?/job:(\w+)/(?:replica:\d+/)?task:(\d+)")
+
+
+def _lost_peer(error: BaseException, args) -> str | None:
+    """Which task of a real cluster a TensorFlow failure is about, in words ("worker 1 at
+    10.0.0.2:2222 stopped answering ..."), read from TensorFlow's message; None if it names none."""
+    if not args.cluster or _on_ray(args):
+        return None
+    text = str(error)
+    try:
+        resolver = cluster_resolver(args.cluster)
+        spec = resolver.cluster_spec().as_dict()
+    except Exception:  # noqa: BLE001 - no cluster to name tasks from: the plain sentence
+        return None
+    me = f"{resolver.task_type} {resolver.task_id}"
+
+    def at(job: str, index: str) -> str:
+        tasks = spec.get(job, [])
+        address = tasks[int(index)] if isinstance(tasks, list) and int(index) < len(tasks) else "?"
+        return f"{job} {index} at {address}"
+
+    where = "; its host is down or cut off from this one"
+    found = _UNHEALTHY.search(text)
+    if found:
+        return f"{at(*found.groups())} stopped answering: no heartbeat reached TensorFlow's coordination service{where}"
+    if "CoordinationService/Heartbeat" in text:
+        leader = ("chief", "0") if "chief" in spec else ("worker", "0")
+        return f"this task ({me}) lost the coordination service on {at(*leader)}: its heartbeats got no answer{where}"
+    found = _REMOTE.search(text)
+    if found and f"{found.group(1)} {found.group(2)}" != me:
+        return f"{at(*found.groups())} failed or cannot be reached{where}"
+    return None
+
+
+def _resume_hint(args) -> str:
+    if args.checkpoint:
+        return (
+            f" Checkpoints are in {args.checkpoint}: start the same command on every host again to resume "
+            "from the last one."
+        )
+    return (
+        " No checkpoint was kept: give --checkpoint DIR (and --checkpoint-every N) to resume after a failure."
+    )
 
 
 def _check_options(args) -> None:
