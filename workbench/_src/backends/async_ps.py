@@ -36,15 +36,16 @@ import weakref
 from workbench._src.backends.async_coordinator import AsyncProgram, CoordinatorExecutor
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.backends.worker_watch import DEFAULT_WORKER_TIMEOUT
+from workbench._src.core import tf_setup
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
-from workbench._src.core import tf_setup
 from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
 from workbench._src.launch.join_watchdog import wait_for_peers
 from workbench._src.launch.launcher import Task
 from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.servers import LocalServers
+
 
 def _worker_failures_said_by_the_run(record) -> bool:
     """Drops the coordinator's own log lines about a failing worker ("Worker /job:worker/... failed
