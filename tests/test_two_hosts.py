@@ -309,3 +309,21 @@ def test_a_port_held_by_something_that_is_not_a_peer_fails_the_join_within_the_t
     assert "did not answer as a TensorFlow peer" in text and "Fix: end what holds the port" in text
     assert time.monotonic() - started < 10 + 60  # the deadline, plus TensorFlow's import
     assert impostor.poll() is None  # (ended with the hosts)
+
+
+def test_async_ps_frozen_remote_worker_is_declared_lost_and_the_run_finishes(hosts, tmp_path):
+    # A frozen process still accepts TCP (the kernel does it for it): only the peer probe sees it
+    history = tmp_path / "history.csv"
+    chief, servers = _async_cluster_running(
+        hosts, tmp_path, "--steps", "8000", "--worker-timeout", "5", "--history", str(history)
+    )
+    servers["worker 1"].send_signal(signal.SIGSTOP)
+    try:
+        code = _wait(chief, 240)
+    finally:
+        servers["worker 1"].send_signal(signal.SIGCONT)
+    text = (tmp_path / "chief.log").read_text()
+    assert code == 0, text[-3000:]
+    assert "worker 1 at" in text and "(worker_timeout): declared lost" in text, text[-3000:]
+    rows = pd.read_csv(history)
+    assert list(rows["step"]) == list(range(1, 8001)) and rows["workers"].iloc[-1] == 1
