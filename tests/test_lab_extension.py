@@ -443,8 +443,9 @@ def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> N
     expect(compare).to_have_text("Compare (2)")
     compare.click()
     view = page.locator(".wb-compare-view")
-    expect(view.locator("img")).to_be_visible()
-    assert view.locator("img").evaluate("img => img.naturalWidth") > 400
+    expect(view.locator(".wb-chart-loss canvas")).to_be_visible()  # the interactive chart
+    expect(view.locator(".wb-compare-png img")).to_be_attached()  # and the PNG, folded under it
+    assert view.locator(".wb-compare-png img").evaluate("img => img.naturalWidth") > 400
     for figures in (first, second):
         row = view.locator(f"tr[data-run-id='{figures['run']}']")
         expect(row.locator("td[data-key=steps_per_sec]")).to_have_text(figures["steps_per_sec"])
