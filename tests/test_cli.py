@@ -1,5 +1,6 @@
 """The command line: `workbench demo` (the README's main job) and `workbench scale FILE.py`."""
 
+import json
 import os
 import subprocess
 
@@ -136,3 +137,32 @@ def test_history_is_written_when_the_run_fails(tmp_path):
     ]
     assert f"history up to step 8: {history}" in out.stderr
     assert list(pd.read_csv(history)["step"]) == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_at_a_step_boundary_and_keeps_its_history(tmp_path):
+    # A scheduler ending the job (or `kill PID`) asks what Ctrl-C asks: the run ends "stopped",
+    # its history and checkpoint written, the process out in seconds with status 0.
+    import signal
+    import time
+
+    history, checkpoints = tmp_path / "h.csv", tmp_path / "ckpt"
+    process = subprocess.Popen(
+        ["workbench", "run", TOY_SCRIPT, "--backend", "single", "--steps", "100000000",
+         "--history", str(history), "--checkpoint", str(checkpoints)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert process.stdout.readline().startswith("step "), process.stderr.read()[-2000:]  # training
+        time.sleep(1)
+        process.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err[-2000:]
+    assert time.monotonic() - sent < 10
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["status"] == "stopped" and summary["stop_reason"].startswith("interrupted at step")
+    assert len(pd.read_csv(history)) == summary["steps"]
+    assert any(name.startswith("ckpt") for name in os.listdir(checkpoints))
