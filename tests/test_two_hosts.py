@@ -45,7 +45,9 @@ def _wait(process, timeout: float) -> int:
     return process.poll()
 
 
-def test_async_ps_across_two_hosts_with_workbench_run_in_every_task(hosts, tmp_path):
+def _start_server_tasks(hosts, tmp_path) -> tuple[list[str], dict]:
+    """ps 0 and worker 0 on host 0, worker 1 on host 1: `workbench run` in each server task, as
+    the README's recipe says; returns (the command, {"ps 0": process, ...})."""
     cluster = _cluster(hosts)
     run = [
         *WORKBENCH,
@@ -64,6 +66,12 @@ def test_async_ps_across_two_hosts_with_workbench_run_in_every_task(hosts, tmp_p
         servers[f"{task_type} {index}"] = hosts.popen(
             host, [*run, "--steps", "1"], _tf_config(cluster, task_type, index), log
         )
+    return run, servers
+
+
+def test_async_ps_across_two_hosts_with_workbench_run_in_every_task(hosts, tmp_path):
+    cluster = _cluster(hosts)
+    run, servers = _start_server_tasks(hosts, tmp_path)
     history = tmp_path / "history.csv"
     with open(tmp_path / "chief.log", "w") as log:
         chief = hosts.popen(
@@ -127,23 +135,7 @@ def _async_cluster_running(hosts, tmp_path, *chief_options: str):
     """ps 0 and worker 0 on host 0, worker 1 on host 1 (`workbench run` server tasks), and the
     chief on host 0 training with `chief_options`; returns (chief, servers) once steps show."""
     cluster = _cluster(hosts)
-    run = [
-        *WORKBENCH,
-        "run",
-        TRAIN,
-        "--backend",
-        "async-ps",
-        "--cluster",
-        "TF_CONFIG",
-        "--startup-timeout",
-        "90",
-    ]
-    servers = {}
-    for task_type, index, host in (("ps", 0, 0), ("worker", 0, 0), ("worker", 1, 1)):
-        log = open(tmp_path / f"{task_type}{index}.log", "w")
-        servers[f"{task_type} {index}"] = hosts.popen(
-            host, [*run, "--steps", "1"], _tf_config(cluster, task_type, index), log
-        )
+    run, servers = _start_server_tasks(hosts, tmp_path)
     log = open(tmp_path / "chief.log", "w")
     chief = hosts.popen(
         0, [*run, *chief_options], {**_tf_config(cluster, "chief", 0), "PYTHONUNBUFFERED": "1"}, log

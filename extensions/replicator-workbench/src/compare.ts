@@ -11,6 +11,7 @@ import { Widget } from '@lumino/widgets';
 import uPlot from 'uplot';
 
 import { formatCount, formatNumber, IStoredRun } from './model';
+import { el } from './sidebar';
 import {
   alignSeries,
   Curve,
@@ -286,13 +287,4 @@ function compareTable(rows: IStoredRun[]): HTMLElement {
     table.append(tr);
   }
   return table;
-}
-
-function el(tag: string, className: string, text?: string): HTMLElement {
-  const node = document.createElement(tag);
-  node.className = className;
-  if (text !== undefined) {
-    node.textContent = text;
-  }
-  return node;
 }

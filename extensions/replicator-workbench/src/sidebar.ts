@@ -511,7 +511,8 @@ function startedAt(started: number | null | undefined): string {
   return `${month} ${d.getDate()} ${pad(d.getHours())}:${pad(d.getMinutes())}`;
 }
 
-function el(tag: string, className: string, text?: string): HTMLElement {
+/** An element with a class (and its text): the sidebar's and the compare view's DOM builder. */
+export function el(tag: string, className: string, text?: string): HTMLElement {
   const node = document.createElement(tag);
   node.className = className;
   if (text !== undefined) {
