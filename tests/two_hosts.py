@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -25,6 +26,9 @@ class TwoHosts:
     def __init__(self):
         if shutil.which("ip") is None or os.geteuid() != 0:
             pytest.skip("two test hosts need root and iproute2 (ip netns) to make network namespaces")
+        # The hosts' processes write their temp files (AutoGraph's, TensorFlow's) here, removed at
+        # close(): processes the tests kill cannot remove their own.
+        self.tmp = tempfile.mkdtemp(prefix="wb-two-hosts-")
         tag = f"wb{os.getpid() % 100000}"
         self.names = [f"{tag}a", f"{tag}b"]
         subnet = f"10.{os.getpid() % 200 + 20}.{(os.getpid() // 200) % 250}"
@@ -49,7 +53,7 @@ class TwoHosts:
         inherited = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
         return subprocess.Popen(
             ["ip", "netns", "exec", self.names[host], *argv],
-            env={**inherited, **env},
+            env={**inherited, "TMPDIR": self.tmp, **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -83,6 +87,7 @@ class TwoHosts:
             time.sleep(0.1)
         for name in self.names:
             _ip("netns", "del", name, check=False)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 WORKBENCH = [sys.executable, "-m", "workbench.cli"]
