@@ -164,8 +164,7 @@ class CoordinatorExecutor:
                     )
                 return True
         if self.watch is None:
-            return False
-        self._say_worker_changes()
+            return False  # (its changes were said by _check_servers, just before)
         lost_at = self.watch.latest_loss()
         return lost_at is not None and now - max(lost_at, waiting_since) >= LOST_CHUNK_GRACE
 

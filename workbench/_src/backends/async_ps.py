@@ -156,7 +156,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         for this many seconds (its host cut off, its process frozen) is declared lost: the run
         says so and goes on with the others, and the worker rejoins if it answers again; when
         every worker is lost the run fails with WorkerError. None: wait for it forever.
-        (Local servers are watched by their heartbeats instead.)
+        (Local servers are this process's children, watched by their exit instead.)
       threads_per_server: TensorFlow threads in each local server (None: TensorFlow's choice).
       idle_timeout: seconds a warm pool (coordinator and servers) stays up unused (None: until
         shutdown()).

@@ -9,8 +9,8 @@ the run loop then runs that worker's chunk again on the others, and the run goes
 of parameter-server training). A lost worker that answers again has rejoined: TensorFlow sends it
 closures again once its stuck call returns.
 
-Servers this process started (local runs) are watched by their heartbeats instead
-(launch/servers.py): they need no probe.
+Servers this process started (local runs) are its children, watched by their exit instead
+(launch/servers.py); a frozen one is not seen (the coordinator waits, as TensorFlow does).
 """
 
 from __future__ import annotations

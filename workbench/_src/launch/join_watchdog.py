@@ -108,16 +108,6 @@ def _peers_missing(resolver, timeout: float, peers: dict, waiting: dict):
     )
 
 
-def _accepts(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        with socket.create_connection((host, int(port)), timeout=0.5):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 def _own_port(resolver) -> int | None:
     if resolver.task_type is None or resolver.task_id is None:
         return None

@@ -17,10 +17,10 @@ from workbench._src.plots import theme
 
 MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
 MAX_METRIC_PANELS = 5
-DPI = 96
+DPI = 96  # the figure shows at its natural size in a notebook: readable fonts
 # How the metric panels' y axis is scaled: "auto" is log when the values span more than 100x
 # (a loss falling by orders of magnitude), else linear; "log" and "linear" force one.
-SCALES = ("auto", "log", "linear")  # the figure shows at its natural size in a notebook: readable fonts
+SCALES = ("auto", "log", "linear")
 
 # Agg and its font cache are shared across threads; one drawing at a time.
 _RENDER_LOCK = threading.Lock()
@@ -258,13 +258,20 @@ def _check_view(smoothing: float | None, scale: str) -> None:
 
 def _thin(x, y):
     """At most MAX_POINTS points, always keeping the last one."""
+    if len(x) <= MAX_POINTS:
+        return x, y
+    idx = thinned_indices(len(x), MAX_POINTS)
+    return x[idx], y[idx]
+
+
+def thinned_indices(n: int, limit: int):
+    """At most `limit` evenly spaced indices of `n` points, the first and the last kept (the
+    figure's lines, and the compare view's series)."""
     import numpy as np
 
-    n = len(x)
-    if n <= MAX_POINTS:
-        return x, y
-    idx = np.unique(np.append(np.linspace(0, n - 1, MAX_POINTS).astype(int), n - 1))
-    return x[idx], y[idx]
+    if n <= limit:
+        return np.arange(n)
+    return np.unique(np.append(np.linspace(0, n - 1, limit).astype(int), n - 1))
 
 
 def _smooth(y, weight: float | None = None):

@@ -9,8 +9,9 @@ under a display id. Widgets talk over comms, so updates from a background run's 
 frontend. When the run ends, the display is replaced in place by a static PNG drawn with the
 smoothing and scale chosen (what nbval, nbclient and a saved notebook keep: a saved widget view
 shows "model not found" once its kernel is gone); the choice carries to the next run, and the
-sidebar's Compare view reads finished runs interactively. Outside a kernel (a script, a terminal) it is a console tqdm bar and a one-line summary; the figure is the
-PNG in the run store; there are no controls.
+sidebar's Compare view reads finished runs interactively. Outside a kernel (a script, a
+terminal) it is a console tqdm bar and a one-line summary; the figure is the PNG in the run
+store; there are no controls.
 """
 
 from __future__ import annotations
@@ -111,11 +112,7 @@ class Dashboard:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_plot = 0.0
-        # Drawing (the renderer's, and a control's after the end) and `_done` go under this lock:
-        # a control changed while the run goes only asks the renderer thread to draw; once the
-        # renderer is done, the control's own thread draws.
-        self._draw_lock = threading.Lock()
-        self._done = False  # the final figure is drawn; the renderer thread draws no more
+        # A control changed: only the renderer thread draws, so the control asks it to (at once).
         self._redraw_requested = False
         self._bar = None
         self._bar_clock_started = False
@@ -200,9 +197,8 @@ class Dashboard:
                 self._wake.clear()  # the end and the close set _ended before waking: seen below
                 if self._ended is not None:
                     break
-                with self._draw_lock:
-                    forced, self._redraw_requested = self._redraw_requested, False
-                    self._refresh(final=False, forced=forced)
+                forced, self._redraw_requested = self._redraw_requested, False
+                self._refresh(final=False, forced=forced)
                 self.cpu_seconds = time.thread_time()
         except Exception as e:  # noqa: BLE001 - a broken plot must not touch training
             self.error = e
@@ -210,31 +206,24 @@ class Dashboard:
             self._finish()
 
     def _finish(self) -> None:
-        with self._draw_lock:
-            try:
-                self.status = (self._ended or {}).get("status", "ended")
-                self._refresh(final=True)
-            except Exception as e:  # noqa: BLE001
-                self.error = e
-            self._done = True
+        try:
+            self.status = (self._ended or {}).get("status", "ended")
+            self._refresh(final=True)  # (with the choice made by then)
+        except Exception as e:  # noqa: BLE001
+            self.error = e
 
     def _on_control(self, change=None) -> None:
-        """A control changed (in the kernel's thread): redraw with the new choice at once."""
+        """A control changed (in the kernel's thread): the renderer thread redraws at once.
+
+        After the end nothing is drawn: the cell's output is a plain PNG (_show_final) and the
+        choice carries to the next run. A foreground run holds the kernel, so its changes arrive
+        when the cell ends."""
         value = self._smoothing_slider.value
         self.smoothing = None if value == "auto" else float(value)
         self.scale = self._scale_buttons.value
         _choice.update(smoothing=self.smoothing, scale=self.scale)
-        with self._draw_lock:
-            if self._done:
-                # The cell's output is a plain PNG now (below, _show_final): the choice only
-                # carries to the next run. The sidebar's Compare view reads finished runs
-                # interactively.
-                return
-            # The renderer thread draws the live figure (and the final one, which reads the
-            # choice under this lock): wake it rather than race it. A foreground run holds the
-            # kernel, so its changes arrive when the cell ends.
-            self._redraw_requested = True
-            self._wake.set()
+        self._redraw_requested = True
+        self._wake.set()  # (a renderer that has ended is not woken: nothing is drawn)
 
     def _refresh(self, final: bool, forced: bool = False) -> None:
         if self.status == "closed":
@@ -375,11 +364,10 @@ class Dashboard:
 
             self._bar = tqdm(total=None, unit="step", display=False, bar_format=BAR_FORMAT)
             row.insert(0, self._bar.container)
-        self._row = w.HBox(row)
         self._build_controls()
         # The controls above the figure, which stays the box's last child (the panel's tests and
         # any code reading the figure from `.widget` find it there).
-        self.widget = w.VBox([self._header, self._row, self._controls, self._image])
+        self.widget = w.VBox([self._header, w.HBox(row), self._controls, self._image])
 
     def _build_controls(self) -> None:
         """TensorBoard's smoothing slider and a y-scale toggle, above the figure."""

@@ -14,7 +14,7 @@ from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.run import Run
 from workbench._src.core.run_stats import figures, last_metrics
 from workbench._src.plots import theme
-from workbench._src.plots.run_plot import _smooth
+from workbench._src.plots.run_plot import _smooth, thinned_indices
 from workbench._src.store.runhistory import load_run
 
 TABLE_COLUMNS = [
@@ -102,13 +102,11 @@ def series(runs, max_points: int = MAX_POINTS) -> list[dict]:
     run's start, as in the figure), loss (None without a loss column) and examples_per_sec,
     at most `max_points` evenly spaced points (first and last kept); NaN/Inf -> None (JSON).
     """
-    import numpy as np
 
     out = []
     for run in runs:
         h = run.history
-        n = len(h)
-        keep = np.unique(np.linspace(0, n - 1, min(n, max_points)).round().astype(int)) if n else []
+        keep = thinned_indices(len(h), max_points)
         out.append(
             {
                 "id": run.id,
