@@ -6,7 +6,8 @@
   in notebooks/runs/, so testing leaves nothing behind in the repository.
 - Its kernel also gets a temporary TMPDIR, removed at the end: nbval ends kernels without a
   normal interpreter exit, which skips TensorFlow's clean-up of its AutoGraph files (30-odd
-  `__autograph_generated_file*.py` per notebook were left in the temp folder).
+  `__autograph_generated_file*.py` per notebook were left in the temp folder), and of notebook 9's
+  private Ray root.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ def pytest_runtest_setup(item):
         return
     if _runs_dir is None:
         _runs_dir = tempfile.mkdtemp(prefix="workbench-notebook-runs-")
-        _tmp_dir = tempfile.mkdtemp(prefix="workbench-notebook-tmp-")
+        # Short: a Ray instance started by a notebook puts its root here only when the path leaves
+        # room for Ray's socket paths (launch/ray_cluster.py), else in /tmp, where it stayed.
+        _tmp_dir = tempfile.mkdtemp(prefix="wb")
     for name, value in (("WORKBENCH_RUNS_DIR", _runs_dir), ("TMPDIR", _tmp_dir)):
         _saved_env[name] = os.environ.get(name)
         os.environ[name] = value

@@ -62,6 +62,20 @@ def no_orphans():
 
 
 @pytest.fixture
+def child_tmpdir(tmp_path, monkeypatch):
+    """A private TMPDIR for the kernels, servers and scripts a test starts and then kills.
+
+    A process ended by SIGKILL (or by `shutdown_kernel(now=True)`, which kills) cannot run
+    TensorFlow's clean-up of its `__autograph_generated_file*.py` files: they were the ~90 files a
+    full run left in /tmp. Children inherit this folder, and it goes with the test's tmp_path
+    (`tmp_path_retention_policy = "failed"` in pyproject.toml)."""
+    folder = tmp_path / "child-tmp"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))  # this process has already read its own TMPDIR
+    return folder
+
+
+@pytest.fixture
 def notebook(tmp_path):
     from notebook_toy import ipython_shell, isolated_notebook_state
 

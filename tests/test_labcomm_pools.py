@@ -61,7 +61,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_sidebar_lists_the_warm_pool_and_shuts_it_down(tmp_path, monkeypatch):
+def test_the_sidebar_lists_the_warm_pool_and_shuts_it_down(tmp_path, monkeypatch, child_tmpdir):
     from jupyter_client.manager import start_new_kernel
 
     monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))

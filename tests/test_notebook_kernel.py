@@ -42,7 +42,7 @@ def outputs(cell, output_type):
     return [o for o in cell.outputs if o.output_type == output_type]
 
 
-def test_cell_form_line_form_background_and_panel_in_a_kernel(tmp_path, monkeypatch):
+def test_cell_form_line_form_background_and_panel_in_a_kernel(tmp_path, monkeypatch, child_tmpdir):
     monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))
     nb = code_cells(
         PREAMBLE,
@@ -110,7 +110,7 @@ def _drain_stdout(kc, msg_id, timeout=30):
             return text
 
 
-def test_a_jupyter_interrupt_stops_the_run_at_a_step_boundary(tmp_path, monkeypatch):
+def test_a_jupyter_interrupt_stops_the_run_at_a_step_boundary(tmp_path, monkeypatch, child_tmpdir):
     monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
     try:
@@ -160,7 +160,7 @@ def test_a_jupyter_interrupt_stops_the_run_at_a_step_boundary(tmp_path, monkeypa
         km.shutdown_kernel(now=True)
 
 
-def test_async_ps_leaves_the_kernel_clean(tmp_path, monkeypatch):
+def test_async_ps_leaves_the_kernel_clean(tmp_path, monkeypatch, child_tmpdir):
     """An async-ps run from a notebook, then plain TensorFlow and a mirrored run in the same kernel:
     the kernel never joined the cluster, so none of these cells prints an error-level line."""
     monkeypatch.setenv("WORKBENCH_RUNS_DIR", str(tmp_path / "runs"))

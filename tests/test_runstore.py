@@ -409,7 +409,7 @@ time.sleep(600)
 
 
 @pytest.mark.slow
-def test_a_killed_kernel_loses_at_most_about_a_second_of_history(runs_dir):
+def test_a_killed_kernel_loses_at_most_about_a_second_of_history(runs_dir, child_tmpdir):
     kernel = subprocess.Popen(
         [sys.executable, "-c", KILLED_KERNEL, str(runs_dir)], stdout=subprocess.PIPE, text=True
     )

@@ -199,13 +199,20 @@ class RayCluster:
         )
 
 
+# The longest socket path Ray makes under our root (the largest pid Linux gives, pid_max 2**22), and
+# the longest path a Unix socket takes (sun_path's 108 bytes, less the final NUL): measured, a TMPDIR
+# of 21 characters gave a 108-byte plasma_store path and ray.init failed.
+LONGEST_RAY_SOCKET_SUFFIX = "/wbray-4194304-abcdefgh/ray/session_2026-11-24_14-22-35_201344_4194304/sockets/plasma_store"
+MAX_SOCKET_PATH = 107
+
+
 def _private_ray_root(ray) -> str:
     """A folder of its own for the local Ray instance this process starts (its sessions, logs and
-    sockets; RAY_TMPDIR), removed at exit once Ray is shut down. Short: Ray's Unix socket paths
-    inside must stay under 108 bytes, so /tmp when TMPDIR is long. Also keeps the instance from
-    taking over the machine's /tmp/ray (another cluster's address file is there)."""
+    sockets; RAY_TMPDIR), removed at exit once Ray is shut down. In TMPDIR when Ray's Unix socket
+    paths inside fit in their 107 bytes, else in /tmp. Also keeps the instance from taking over the
+    machine's /tmp/ray (another cluster's address file is there)."""
     base = tempfile.gettempdir()
-    base = base if len(base) <= 24 else "/tmp"
+    base = base if len(base) + len(LONGEST_RAY_SOCKET_SUFFIX) <= MAX_SOCKET_PATH else "/tmp"
     remove_roots_of_dead_owners(base)
     root = tempfile.mkdtemp(prefix=f"wbray-{os.getpid()}-", dir=base)
 

@@ -110,7 +110,9 @@ class RayChannel:
         while not self._closed:
             try:
                 said = ray.get(member.actor.poll.remote(POLL_SECONDS))
-            except Exception as error:  # noqa: BLE001 - RayActorError and kin: the actor is gone
+            # RayActorError and kin: the actor is gone. SystemExit: ray.shutdown() under a waiting
+            # get (Ray raises it in this thread); the members went with the connection.
+            except (Exception, SystemExit) as error:  # noqa: BLE001
                 if self._closed or member.exited:
                     return
                 member.dead, member.death = True, _death_reason(error)
@@ -352,8 +354,10 @@ def _stop_all() -> None:
             pool.stop(grace=0.5)
 
 
-def _death_reason(error: Exception) -> str:
+def _death_reason(error: BaseException) -> str:
     """A short reason from Ray's error (its first line), e.g. the node that died."""
+    if isinstance(error, SystemExit):
+        return "this process's Ray connection was shut down (ray.shutdown())"
     text = str(error).strip().splitlines()
     first = next((line for line in text if line.strip()), type(error).__name__)
     return first[:200]
