@@ -266,3 +266,35 @@ def test_a_killed_kernels_ray_temp_root_is_removed_by_the_next_local_instance(tm
         folder.mkdir(parents=True)
     assert remove_roots_of_dead_owners(str(tmp_path)) == [dead_root.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_root.name, other.name])
+
+
+def test_the_ray_root_goes_in_tmpdir_only_where_rays_socket_paths_fit(monkeypatch):
+    """Ray's Unix sockets live under the root (.../ray/session_<date>_<pid>/sockets/plasma_store)
+    and a socket path takes at most 107 bytes: a 21-character TMPDIR once made a 108-byte path, and
+    ray.init failed. A TMPDIR that leaves room holds the root; a longer one sends it to /tmp."""
+    import tempfile
+
+    from workbench._src.launch import ray_cluster
+
+    class NoRay:  # the root's exit hook shuts Ray down; nothing to shut down here
+        def shutdown(self):
+            pass
+
+    room = ray_cluster.MAX_SOCKET_PATH - len(ray_cluster.LONGEST_RAY_SOCKET_SUFFIX)
+    fits = tempfile.mkdtemp(prefix="w", dir="/tmp")  # 14 characters
+    too_long = os.path.join(fits, "x" * (room - len(fits)))  # one character over
+    os.mkdir(too_long)
+    try:
+        for base, expected_parent in ((fits, fits), (too_long, "/tmp")):
+            monkeypatch.setattr(tempfile, "tempdir", base)
+            root = ray_cluster._private_ray_root(NoRay())
+            try:
+                assert os.path.dirname(root) == expected_parent, (base, root)
+                # The path Ray would make here (its session folder is named by date and pid).
+                deepest = f"{root}/ray/session_2026-11-24_14-22-35_201344_{os.getpid()}/sockets/plasma_store"
+                assert len(deepest.encode()) <= ray_cluster.MAX_SOCKET_PATH, deepest
+            finally:
+                os.rmdir(root)
+    finally:
+        os.rmdir(too_long)
+        os.rmdir(fits)
