@@ -76,7 +76,9 @@ def _run0(data: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(tmp_path, monkeypatch, child_tmpdir):
+def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(
+    tmp_path, monkeypatch, child_tmpdir
+):
     """The comm protocol of workbench/_src/sinks/labcomm.py in a real kernel, as the sidebar uses
     it: snapshots, Stop, the figure, the run store's rows (hparams) and the compare reply's series."""
     from jupyter_client.manager import start_new_kernel
@@ -239,7 +241,9 @@ def _start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
         json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
     )
     # The server's kernels write their temp files (AutoGraph's) in the test's folder: the ones that
-    # outlive the server are killed below, which skips TensorFlow's clean-up of them.
+    # outlive the server are killed below, which skips TensorFlow's clean-up of them. Not the
+    # child_tmpdir fixture: Playwright's Chromium would inherit it, and its socket path under the
+    # test's folder is too long for it to start.
     kernel_tmp = root / "kernel-tmp"
     kernel_tmp.mkdir()
     env = dict(

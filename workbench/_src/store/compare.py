@@ -102,7 +102,6 @@ def series(runs, max_points: int = MAX_POINTS) -> list[dict]:
     run's start, as in the figure), loss (None without a loss column) and examples_per_sec,
     at most `max_points` evenly spaced points (first and last kept); NaN/Inf -> None (JSON).
     """
-
     out = []
     for run in runs:
         h = run.history
