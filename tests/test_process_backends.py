@@ -77,6 +77,15 @@ def conformance_on_worker(repl):
         }
 
     probe = [tf.nest.map_structure(lambda v: v.numpy(), out) for out in repl.run(probe_step, probe_input)]
+    # The worker imported TensorFlow without Keras's optional extras (tf_setup.keras_extras_skipped),
+    # and they still import when a user's function wants them.
+    from workbench._src.core.tf_setup import KERAS_EXTRAS
+
+    extras_at_start = sorted(name for name in KERAS_EXTRAS if name in sys.modules)
+    import matplotlib
+    import sklearn.datasets
+
+    extras_importable = bool(sklearn.datasets.load_digits and matplotlib.__version__)
     sgd = train_regression(repl, "SGD", 1)
     adam = train_regression(repl, "Adam", 20)
     # A custom input_split_fn (every n-th example) cuts the same global batch over the whole run.
@@ -92,6 +101,8 @@ def conformance_on_worker(repl):
         "strided_sgd": strided,
         "split": tf.nest.map_structure(lambda v: v.numpy(), split),
         "worker_id": repl.worker_id,
+        "extras_at_start": extras_at_start,
+        "extras_importable": extras_importable,
         "num_replicas": repl.num_replicas,
         "tf_config": os.environ["TF_CONFIG"],
     }
@@ -110,6 +121,7 @@ def test_multi_worker_conformance_matches_one_device():
         (probe,) = r["probe"]  # one local replica per worker
         assert probe["sum"] == 3.0 and probe["mean"] == 0.5 and probe["max"] == 1.0
         assert list(probe["gather"]) == [0.0, 1.0] and probe["broadcast"] == 6.0
+        assert r["extras_at_start"] == [] and r["extras_importable"]
 
     reference = wb.NonReplicator()
     sgd_weights, _ = train_regression(reference, "SGD", 1)

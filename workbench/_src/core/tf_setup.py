@@ -71,6 +71,31 @@ def _import_tensorflow():
     return tensorflow
 
 
+# `import tensorflow` imports Keras (TensorFlow's __init__ loads it eagerly), and Keras imports
+# scikit-learn (for its scikit-learn wrappers) and matplotlib.pyplot (for its image-gallery
+# plots), each under `try: ... except ImportError`. Together they are a third of the import:
+# ~1.2 of ~3.8 CPU-seconds here (bench/bench_startup.py). A process the workbench launched (a
+# worker, a coordinator, a TensorFlow server) serves steps and never uses either feature.
+KERAS_EXTRAS = ("sklearn", "matplotlib")
+
+
+@contextlib.contextmanager
+def keras_extras_skipped():
+    """Imports of TensorFlow inside this block leave out Keras's optional scikit-learn and
+    matplotlib features (for launched processes only). The packages stay importable: only
+    `keras.wrappers.SKLearn*` and `keras.visualization` lack them in this process; a later
+    `import sklearn` or `import matplotlib` (a user's input_fn) works as usual."""
+    hidden = [name for name in KERAS_EXTRAS if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # Python's own "not importable" marker: ImportError, no search
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
+
+
 # What TensorFlow's C++ side prints on every start of a CPU-only machine, before its log level
 # applies (absl logs to stderr until initialised: the banner comes once per TensorFlow library).
 _NOISE = re.compile(

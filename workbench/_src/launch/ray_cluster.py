@@ -202,7 +202,9 @@ class RayCluster:
 # The longest socket path Ray makes under our root (the largest pid Linux gives, pid_max 2**22), and
 # the longest path a Unix socket takes (sun_path's 108 bytes, less the final NUL): measured, a TMPDIR
 # of 21 characters gave a 108-byte plasma_store path and ray.init failed.
-LONGEST_RAY_SOCKET_SUFFIX = "/wbray-4194304-abcdefgh/ray/session_2026-11-24_14-22-35_201344_4194304/sockets/plasma_store"
+LONGEST_RAY_SOCKET_SUFFIX = (
+    "/wbray-4194304-abcdefgh/ray/session_2026-11-24_14-22-35_201344_4194304/sockets/plasma_store"
+)
 MAX_SOCKET_PATH = 107
 
 

@@ -101,7 +101,10 @@ class Member:
             # TensorFlow first, then the hello: loading its libraries can hold the interpreter
             # for seconds at a time, and a member's heartbeats count from its hello (the start
             # as a whole is bounded by startup_timeout).
-            import tensorflow  # noqa: F401
+            from workbench._src.core.tf_setup import keras_extras_skipped
+
+            with keras_extras_skipped():  # a third of the import, features a worker never uses
+                import tensorflow  # noqa: F401
 
             from workbench._src.launch import worker_main
 

@@ -37,7 +37,8 @@ def start_server(cluster: dict, job: str, index: int, threads) -> object:
     from workbench._src.core import tf_setup
 
     tf_setup._requested_cpus = 1  # one CPU device per server: the coordinator places the work
-    t = tf_setup.tf()
+    with tf_setup.keras_extras_skipped():  # a server runs no Keras at all
+        t = tf_setup.tf()
     if threads:
         t.config.threading.set_intra_op_parallelism_threads(int(threads))
         t.config.threading.set_inter_op_parallelism_threads(int(threads))

@@ -106,7 +106,8 @@ def _configure_tensorflow() -> None:
     from workbench._src.core import tf_setup
 
     tf_setup._requested_cpus = int(os.environ.get("WORKBENCH_WORKER_DEVICES", "1"))
-    t = tf_setup.tf()
+    with tf_setup.keras_extras_skipped():  # a third of the import, features a worker never uses
+        t = tf_setup.tf()
     threads = os.environ.get("WORKBENCH_WORKER_THREADS")
     if threads:
         t.config.threading.set_intra_op_parallelism_threads(int(threads))
