@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import cloudpickle
 import psutil
@@ -73,6 +74,24 @@ def test_the_idle_timeout_ends_the_pool():
     assert pools.live_pools() == []
     # The timer is a daemon thread: nothing of ours holds the interpreter at exit.
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("workbench"))
+
+
+def test_a_pool_a_run_has_taken_is_not_stopped_by_a_retirement_decided_while_it_was_idle():
+    # The idle timer, a shape change or a backend choice picks idle pools under the registry's
+    # lock, then lets it go before stopping them (that takes a moment). A run that took one of
+    # them in between keeps it: here the timer's retirement lands just after the run took it.
+    repl = wb.MultiWorkerReplicator(num_workers=1)
+    first = repl.train(setup=regression_setup, steps=5)
+    (pool,) = pools.live_pools()
+    assert pool.state == "idle"
+    run = repl.train(setup=regression_setup, steps=1_000_000, background=True)
+    wait_for(lambda: run.steps >= 5 or run.ended, 60, "the run on the warm pool to step")
+    assert pool.state == "busy" and pids(run) == pids(first)
+    pools._retire_all([(pool, "idle for 600 s")])
+    time.sleep(1.0)  # (a stopped pool's worker exits within this: the run would fail)
+    run.stop().wait(timeout=60)
+    assert run.status == "stopped", run.stop_reason
+    assert pool.state == "idle" and all(alive(p) for p in pids(run))
 
 
 def test_a_worker_killed_between_runs_is_noticed_and_the_next_run_starts_fresh():

@@ -291,7 +291,11 @@ def _changed() -> None:
 
 
 def _retire_all(retire: list[tuple[Pool, str]], remember: bool = True) -> None:
+    """Retires and stops pools chosen, under the lock, because they were idle. The lock was let go
+    since: a pool another thread's run has taken meanwhile (busy) or retired is left alone, or its
+    run would see its processes exit under it."""
     with _lock:
+        retire = [(pool, reason) for pool, reason in retire if pool.state == "idle"]
         for pool, reason in retire:
             pool.state = "retired"
             if pool in _pools:
