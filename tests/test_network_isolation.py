@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Client
 
 import pytest
@@ -146,6 +147,34 @@ def test_channel_accepts_its_children_in_the_namespace_and_rejects_others():
         for conn in (stranger, impostor):
             with pytest.raises((EOFError, OSError)):
                 conn.recv()
+        assert channel.send("worker:0", {"type": "bye"})
+        child.popen.wait(timeout=10)
+        assert child.popen.returncode == 0, child.log_tail()
+    finally:
+        group.stop()
+        channel.close()
+
+
+@pytest.mark.slow
+def test_a_child_that_says_hello_before_the_group_has_recorded_its_pid_is_accepted():
+    # On a busy machine the launcher's thread can be held between Popen's return and the group's
+    # record of the child, while the child already says hello. Here that record comes 3 s late.
+    from workbench._src.launch.channel import PID_RECORD_WAIT, Channel
+    from workbench._src.launch.processes import ProcessGroup
+
+    class RecordedLate(list):
+        def append(self, child):
+            time.sleep(3.0)  # the child starts, connects and says hello meanwhile
+            super().append(child)
+
+    assert PID_RECORD_WAIT > 3.0
+    group = ProcessGroup("isolation test")
+    channel = Channel(group)
+    group.children = RecordedLate()
+    try:
+        child = group.start("worker", 0, "test_network_isolation", {**PROBE_ENV, **channel.env()}, ["link"])
+        task, hello = channel.messages.get(timeout=30)
+        assert (task, hello["pid"]) == ("worker:0", child.pid) and channel.rejected == 0
         assert channel.send("worker:0", {"type": "bye"})
         child.popen.wait(timeout=10)
         assert child.popen.returncode == 0, child.log_tail()

@@ -34,6 +34,7 @@ from workbench._src.launch.processes import (
 
 CHANNEL_ENV = "WORKBENCH_CHANNEL"  # path of the parent's Unix socket (or host:port, older form)
 CHANNEL_KEY_ENV = "WORKBENCH_CHANNEL_KEY"  # hex key; in the environment, never on the command line
+PID_RECORD_WAIT = 5.0  # s a hello with an unrecorded pid waits for the group's record of it
 
 
 class Channel:
@@ -85,6 +86,12 @@ class Channel:
         task = hello.get("task") if isinstance(hello, dict) else None
         peer = _peer_pid(conn)
         pid = hello.get("pid") if task else None
+        deadline = time.monotonic() + PID_RECORD_WAIT
+        while task and pid not in self.group.pids() and time.monotonic() < deadline:
+            # A child can say hello before the group has recorded its pid: on a busy machine the
+            # launcher's thread may be held between Popen's return and the record. Refused, the
+            # child read EOF, exited 0, and its run failed naming it.
+            time.sleep(0.02)
         if not task or pid not in self.group.pids() or (peer is not None and peer != pid):
             self.rejected += 1  # not one of the processes this group started
             conn.close()
