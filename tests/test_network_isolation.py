@@ -118,6 +118,13 @@ def test_multi_worker_mirrored_strategy_runs_inside_the_private_network():
         channel.close()
 
 
+def say_bye(channel, child) -> None:
+    """Ends a "link" probe child through the channel; it must exit cleanly."""
+    assert channel.send("worker:0", {"type": "bye"})
+    child.popen.wait(timeout=10)
+    assert child.popen.returncode == 0, child.log_tail()
+
+
 # ----- the channel over a Unix socket -------------------------------------------------------------------
 @pytest.mark.slow
 def test_channel_accepts_its_children_in_the_namespace_and_rejects_others():
@@ -147,9 +154,7 @@ def test_channel_accepts_its_children_in_the_namespace_and_rejects_others():
         for conn in (stranger, impostor):
             with pytest.raises((EOFError, OSError)):
                 conn.recv()
-        assert channel.send("worker:0", {"type": "bye"})
-        child.popen.wait(timeout=10)
-        assert child.popen.returncode == 0, child.log_tail()
+        say_bye(channel, child)
     finally:
         group.stop()
         channel.close()
@@ -175,9 +180,7 @@ def test_a_child_that_says_hello_before_the_group_has_recorded_its_pid_is_accept
         child = group.start("worker", 0, "test_network_isolation", {**PROBE_ENV, **channel.env()}, ["link"])
         task, hello = channel.messages.get(timeout=30)
         assert (task, hello["pid"]) == ("worker:0", child.pid) and channel.rejected == 0
-        assert channel.send("worker:0", {"type": "bye"})
-        child.popen.wait(timeout=10)
-        assert child.popen.returncode == 0, child.log_tail()
+        say_bye(channel, child)
     finally:
         group.stop()
         channel.close()
