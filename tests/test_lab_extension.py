@@ -946,7 +946,13 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     tab("a.ipynb").click()
                     page.wait_for_timeout(500)  # the theme message reaches the kernel
                     _run_cell(page, 3, "a.ipynb")
-                    figure = _cells(page, "a.ipynb").nth(3).locator(".jp-OutputArea-output img").first
+                    # The run's end replaces the live widget by the final PNG: wait for the end
+                    # (a count in the prompt), then take the PNG, not a widget about to go.
+                    cell = _cells(page, "a.ipynb").nth(3)
+                    expect(cell.locator(".jp-InputPrompt").first).to_have_text(
+                        re.compile(r"\[\d+\]"), timeout=120_000
+                    )
+                    figure = cell.locator(".jp-OutputArea-output.jp-RenderedImage img").first
                     expect(figure).to_be_visible()
                     figure.scroll_into_view_if_needed()
                     brightness = _image_brightness(figure.screenshot())
