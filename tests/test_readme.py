@@ -173,6 +173,15 @@ def test_notebook_blocks_run_in_one_kernel(user_folder):
     assert sum("<wb.Run" in r and "finished" in r for r in results) >= 2, results  # the training cells
 
 
+def test_the_bash_blocks_run_multi_worker_and_async_ps():
+    """The bash test below is also the check that a finished multi-worker and a finished async-ps
+    `workbench run` leave their TMPDIR empty (tests/test_nothing_left_behind.py has the failed run):
+    the README must keep both commands in a block that it runs."""
+    commands = [line for block in blocks_of("bash") for line in block["source"].splitlines()]
+    for backend in ("--backend multi-worker --workers 2", "--backend async-ps --workers 2 --ps 1"):
+        assert any(f"workbench run examples/train.py {backend}" in line for line in commands), backend
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", blocks_of("bash"), ids=block_id)
 def test_cheap_bash_block_runs_as_written(block, user_folder):
