@@ -180,6 +180,26 @@ def test_failed_run_shows_the_reason():
     assert "failed" in dash._header.value and "boom" in dash._header.value
 
 
+def test_a_held_renderer_does_not_hold_the_run_and_says_where_it_is_held(monkeypatch):
+    """The run's end waits a bounded time for the final figure; past it, a warning shows where
+    the drawing thread is held (here: the render lock, taken by someone else)."""
+    from workbench._src.sinks import dashboard
+
+    monkeypatch.setattr(dashboard, "FINAL_FIGURE_WAIT", 1.0)
+    dash = Dashboard(frontend="widgets", display=False)
+    dash.send(event("started", config={"backend": "single", "num_replicas": 1, "steps": 2}, first_step=1))
+    rows = [{"step": s, "wall_time": 0.1 * s, "examples_per_sec": 10.0, "loss": 1.0} for s in (1, 2)]
+    dash.send(event("metrics", 2, rows=rows))
+    with run_plot._RENDER_LOCK:
+        t0 = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="final figure was not drawn within 1 s") as caught:
+            dash.send(event("ended", 2, status="finished"))
+        assert time.monotonic() - t0 < 10
+    assert "run_plot.py" in str(caught[0].message) and "_RENDER_LOCK" in str(caught[0].message)
+    dash._thread.join(10)  # the lock is free: the figure is drawn after all
+    assert dash.png.startswith(PNG_MAGIC) and "finished" in dash._header.value
+
+
 @pytest.mark.parametrize("frontend", ["bogus"])
 def test_bad_frontend(frontend):
     with pytest.raises(ValueError, match="frontend must be 'auto', 'widgets' or 'console'; received 'bogus'"):

@@ -56,6 +56,26 @@ def detect_frontend() -> str:
     return "widgets"
 
 
+# How long a run's end waits for the dashboard's final figure. Drawing takes well under a second;
+# a renderer held longer is stuck on something outside it, and the run does not wait for it.
+FINAL_FIGURE_WAIT = 60.0
+
+
+def _warn_stuck(thread: threading.Thread) -> None:
+    """Says where the renderer is held (its stack), once, so that a stall can be found."""
+    import traceback
+    import warnings
+
+    frame = sys._current_frames().get(thread.ident)
+    where = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(no stack)\n"
+    warnings.warn(
+        f"the dashboard's final figure was not drawn within {FINAL_FIGURE_WAIT:.0f} s; the run ended "
+        f"without waiting for it. The drawing thread was held at:\n{where}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class Dashboard:
     """A sink: pass it to `repl.train(..., sinks=[wb.ui.dashboard()])`; the magic and panel do.
 
@@ -151,7 +171,9 @@ class Dashboard:
                 # The final figure is drawn before the run is reported done, so a foreground
                 # cell (and nbclient/nbval) always ends with it.
                 self._wake.set()
-                self._thread.join(timeout=60)
+                self._thread.join(timeout=FINAL_FIGURE_WAIT)
+                if self._thread.is_alive():
+                    _warn_stuck(self._thread)
 
     def attach_stop(self, stop: Callable[[], object]) -> None:
         """Shows a Stop button that calls `stop` (for background runs; the kernel is free)."""
