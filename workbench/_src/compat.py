@@ -29,6 +29,14 @@ def run_weakref_finalizers() -> None:
     weakref.finalize._exitfunc()
 
 
+def thread_frame(thread):
+    """CPython: the frame a live thread is running now, or None. `sys._current_frames` is
+    documented (for debugging) but underscored; faulthandler only writes to a file. Why: a stuck
+    dashboard renderer is reported with its stack (sinks/dashboard.py). Stays while CPython has
+    no public name for it."""
+    return sys._current_frames().get(thread.ident)
+
+
 def owned_iterator_class():
     """TensorFlow: the class of tf.data's Python iterators (`OwnedIterator`), or None when
     TensorFlow is not imported or moved it. Why: the reaper must find iterators nobody tracks (a

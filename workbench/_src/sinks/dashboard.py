@@ -66,7 +66,9 @@ def _warn_stuck(thread: threading.Thread) -> None:
     import traceback
     import warnings
 
-    frame = sys._current_frames().get(thread.ident)
+    from workbench._src.compat import thread_frame
+
+    frame = thread_frame(thread)
     where = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else "(no stack)\n"
     warnings.warn(
         f"the dashboard's final figure was not drawn within {FINAL_FIGURE_WAIT:.0f} s; the run ended "
