@@ -77,20 +77,9 @@ def test_a_failed_workbench_run_leaves_its_tmpdir_empty(tmp_path):
     private.mkdir()
     (tmp_path / "failing.py").write_text(FAILING)
     env = {**os.environ, "TMPDIR": str(private), "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")}
+    command = "run failing.py --backend multi-worker --workers 2 --steps 20".split()
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workbench.cli",
-            "run",
-            "failing.py",
-            "--backend",
-            "multi-worker",
-            "--workers",
-            "2",
-            "--steps",
-            "20",
-        ],
+        [sys.executable, "-m", "workbench.cli", *command],
         cwd=tmp_path,
         env=env,
         capture_output=True,
