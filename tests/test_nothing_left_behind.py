@@ -19,8 +19,6 @@ import pytest
 
 from workbench._src.launch.processes import ProcessGroup
 
-ROOT = Path(__file__).resolve().parent.parent
-
 # A launched process that writes into its temp folder (as AutoGraph does), says where, and waits.
 CHILD = """
 import sys, tempfile, time
