@@ -7,6 +7,7 @@ import tests/.
 from __future__ import annotations
 
 import queue
+import re
 import socket
 import sys
 import time
@@ -24,6 +25,10 @@ X = RNG.randn(64, 8).astype("float32")
 Y = RNG.randn(64, 1).astype("float32")
 W0 = RNG.randn(8, 1).astype("float32") * 0.1
 GLOBAL_BATCH = 16
+
+# TensorFlow's start-up noise, which the workbench holds back (README): an error-level
+# TensorFlow/absl line (E1123 12:00:00.0 ... file.cc:52] ...) or the absl banner.
+TF_NOISE = re.compile(r"^[EWF]\d{4} [\d:.]+|absl::InitializeLog|cuInit|^WARNING:absl", re.M)
 
 
 def cluster_processes() -> list[str]:
