@@ -259,25 +259,6 @@ def test_functions_holding_tensorflow_state_get_a_clear_error(backend):
         repl.strategy  # noqa: B018 - the notebook's replicator of a local cluster has none
 
 
-@pytest.mark.slow
-def test_cli_runs_a_script_on_two_workers(tmp_path):
-    script = os.path.join(os.path.dirname(__file__), "data", "toy_train.py")
-    history = tmp_path / "history.csv"
-    done = subprocess.run(
-        [sys.executable, "-m", "workbench.cli", "run", script, "--backend", "multi-worker",
-         "--workers", "2", "--steps", "60", "--history", str(history)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["status"] == "finished" and summary["steps"] == 60
-    import pandas as pd
-
-    table = pd.read_csv(history)
-    assert list(table["step"]) == list(range(1, 61))
-    assert table["loss"].iloc[-5:].mean() < table["loss"].iloc[:5].mean()
-
-
 # ----- nothing left behind when the kernel dies -----------------------------------------------------
 KERNEL_SCRIPT = textwrap.dedent(
     """

@@ -14,6 +14,7 @@ be empty again afterwards: the README's runs leave nothing behind.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -21,15 +22,15 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pandas as pd
 import pytest
+from helpers import TF_NOISE
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
-# TensorFlow's start-up noise (as tests/test_quiet_logs.py): the README says it is held back.
-NOISE = re.compile(r"^[EWF]\d{4} [\d:.]+|absl::InitializeLog|cuInit|^WARNING:absl", re.M)
 
 # Bash blocks not run here, by a line they hold: why, and what checks them instead.
 NOT_RUN = {
@@ -137,7 +138,7 @@ def test_python_block_runs_as_a_script(block, user_folder):
     where = f"{block_id(block)} (a Python block, run as a script) "
     assert done.returncode == 0, where + f"failed:\n{done.stderr[-4000:]}"
     assert done.stdout.strip(), where + "printed nothing"
-    assert not NOISE.search(done.stderr), (
+    assert not TF_NOISE.search(done.stderr), (
         where + f"printed TensorFlow's start-up lines:\n{done.stderr[-3000:]}"
     )
 
@@ -161,7 +162,7 @@ def test_notebook_blocks_run_in_one_kernel(user_folder):
             if failure:  # (outside the except: the message alone, without nbclient's traceback)
                 pytest.fail(failure, pytrace=False)
             stderr = "".join(o.get("text", "") for o in cell.outputs if o.get("name") == "stderr")
-            assert not NOISE.search(stderr), (
+            assert not TF_NOISE.search(stderr), (
                 f"{block_id(block)} printed TensorFlow's start-up lines:\n{stderr}"
             )
     results = [
@@ -193,8 +194,24 @@ def test_cheap_bash_block_runs_as_written(block, user_folder):
         timeout=900,
     )
     assert done.returncode == 0, f"{block_id(block)} (bash) failed:\n{done.stderr[-4000:]}"
-    for line in block["source"].splitlines():  # files the commands were asked to write
-        words = shlex.split(line, comments=True)
+    commands = [shlex.split(line, comments=True) for line in block["source"].splitlines()]
+    commands = [words for words in commands if words]
+    for words in commands:  # files the commands were asked to write
         for flag in ("--history", "--csv", "--out"):
             if flag in words:
-                assert (user_folder / words[words.index(flag) + 1]).is_file(), line
+                assert (user_folder / words[words.index(flag) + 1]).is_file(), words
+    # Every `workbench run` ends with its one-line JSON summary (the last of its stdout), and
+    # trains what it was asked: one history row per step, from step 1, and a loss that falls.
+    runs = [words for words in commands if words[:2] == ["workbench", "run"]]
+    summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"run"')]
+    assert len(summaries) == len(runs), done.stdout[-3000:]
+    for words, summary in zip(runs, summaries):
+        assert summary["status"] == "finished", (words, summary)
+        if "--steps" not in words:
+            continue
+        steps = int(words[words.index("--steps") + 1])
+        assert summary["steps"] == steps, (words, summary)
+        if "--history" in words:
+            history = pd.read_csv(user_folder / words[words.index("--history") + 1])
+            assert list(history["step"]) == list(range(1, steps + 1)), words
+            assert history["loss"].iloc[-10:].mean() < history["loss"].iloc[:10].mean(), words
