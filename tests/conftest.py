@@ -30,27 +30,78 @@ def pytest_sessionfinish(session, exitstatus):
     reaper.exit_code_hint = int(exitstatus)
 
 
+def _pool_module():
+    return sys.modules.get("workbench._src.launch.pool")
+
+
+def _pool_pids() -> set[int]:
+    """The pids of this process's live warm pools (their workers, servers and coordinators)."""
+    pool = _pool_module()
+    if pool is None:
+        return set()
+    return {p["pid"] for each in pool.live_pools() for p in each.processes}
+
+
+def _end_pools_and_check() -> None:
+    """Ends this process's warm pools and checks that their processes go (within 10 s)."""
+    pool = _pool_module()
+    if pool is None:
+        return
+    pids = _pool_pids()
+    pool.shutdown()
+    left = {line.split()[0] for line in cluster_processes()} & {str(pid) for pid in pids}
+    deadline = time.monotonic() + 10
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left &= {line.split()[0] for line in cluster_processes()}
+    assert not left, f"warm-pool processes left behind after shutdown: {sorted(left)}"
+
+
+def _shares_pools(request) -> bool:
+    return request.node.get_closest_marker("shares_warm_pool") is not None
+
+
 @pytest.fixture(autouse=True)
-def _end_warm_pools():
-    """A test's warm worker pools end with it (launch/pool.py keeps them between runs): later
-    tests start from none, and no_orphans sees the processes go."""
+def _end_warm_pools(request):
+    """A test's warm worker pools end with it (launch/pool.py keeps them between runs), and it
+    starts from none: what it says about processes starting is its own.
+
+    Tests marked `shares_warm_pool` (runs on worker processes whose start is not what they test)
+    leave their pool to the next such test of the file, as a notebook's next cell would find it:
+    the next run of the same shape takes it warm, and must train exactly as on fresh processes
+    (that is the pool's promise, checked again by every such test). The pool ends, checked, with
+    the first test not marked or with the file."""
+    if _shares_pools(request):
+        yield
+        return
+    _end_pools_and_check()
     yield
-    pool = sys.modules.get("workbench._src.launch.pool")
+    pool = _pool_module()
     if pool is not None:
         pool.shutdown()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _warm_pools_end_with_their_file():
+    yield
+    _end_pools_and_check()
+
+
 @pytest.fixture
-def no_orphans():
+def no_orphans(request):
     adopt_orphans(True)
-    before = {line.split()[0] for line in cluster_processes()}
+    # (a warm pool a sharing test left is counted as this test's: its run may retire it)
+    before = {line.split()[0] for line in cluster_processes()} - {str(pid) for pid in _pool_pids()}
+    shares = _shares_pools(request)
 
     def left_behind() -> list[str]:
-        return [line for line in cluster_processes() if line.split()[0] not in before]
+        # (a sharing test's warm pool is not left behind: the next test or the file's end ends it)
+        kept = {str(pid) for pid in _pool_pids()} if shares else set()
+        return [line for line in cluster_processes() if line.split()[0] not in before | kept]
 
     yield
-    pool = sys.modules.get("workbench._src.launch.pool")
-    if pool is not None:  # warm pools outlive their runs by design; they end with the test
+    pool = _pool_module()
+    if pool is not None and not shares:  # warm pools outlive their runs by design; they end with the test
         pool.shutdown()
     deadline = time.monotonic() + 10
     while left_behind() and time.monotonic() < deadline:

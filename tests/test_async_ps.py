@@ -32,8 +32,14 @@ import workbench as wb
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
 
+# The order matters to the tests marked shares_warm_pool (tests/conftest.py): they hand their warm
+# pool to the next one, as a notebook's next cell would find it. One worker and one parameter
+# server: the one-device match, then the kill while checkpointing (which retires it). Two
+# workers: the loopback check, the %%replicate cell, then the killed worker (which retires it).
+
 
 @pytest.mark.slow
+@pytest.mark.shares_warm_pool
 def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():
     repl = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1)
     run = repl.train_cell(
@@ -54,20 +60,19 @@ def test_async_ps_one_worker_matches_one_device_and_refuses_primitives():
 
 
 @pytest.mark.slow
-def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
-    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
-    run = repl.train(setup=regression_setup, steps=1500, steps_per_execution=5, background=True)
-    wait_for_steps(run, 100)
-    os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
-    run.wait(timeout=240)
-    assert run.status == "finished", run.stop_reason
-    history = run.history
-    assert run.steps == 1500 and list(history["step"]) == list(range(1, 1501))
-    assert run.executed_steps >= 1500  # at-least-once: lost chunks run again
-    lost = [e for e in run.events if e.kind == "message" and "worker 1" in e.data.get("text", "")]
-    assert lost and "killed by SIGKILL" in lost[0].data["text"]
-    assert history["workers"].iloc[0] == 2 and history["workers"].iloc[-1] == 1
-    assert np.isfinite(history["loss"]).all()
+@pytest.mark.shares_warm_pool
+def test_async_ps_parameter_server_killed_while_checkpointing_is_a_worker_error(tmp_path):
+    # A checkpoint at every step: most of the run's time is spent saving, so the kill lands in a
+    # save (or between two); either way the run ends with the same WorkerError and its history.
+    run = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1).train(
+        setup=regression_setup, steps=10**6, steps_per_execution=1,
+        checkpoint_dir=tmp_path, checkpoint_every=1, background=True,
+    )  # fmt: skip
+    wait_for_steps(run, 20)
+    os.kill(process_pid(run, "ps", 0), signal.SIGKILL)
+    with pytest.raises(wb.WorkerError, match=r"parameter server 0 .* killed by SIGKILL") as info:
+        run.wait(timeout=60)
+    assert info.value.run is run and len(run.history) == run.steps >= 20
 
 
 @pytest.mark.slow
@@ -113,45 +118,9 @@ def test_async_ps_killed_parameter_server_fails_fast_and_checkpoint_restores(tmp
     assert int(resumed.history["global_step"].iloc[0]) == saved_step + 1  # (step counts from 1)
 
 
-@pytest.mark.slow
-def test_async_ps_parameter_server_killed_while_checkpointing_is_a_worker_error(tmp_path):
-    # A checkpoint at every step: most of the run's time is spent saving, so the kill lands in a
-    # save (or between two); either way the run ends with the same WorkerError and its history.
-    run = wb.MultiWorkerAsyncReplicator(num_workers=1, num_ps=1).train(
-        setup=regression_setup, steps=10**6, steps_per_execution=1,
-        checkpoint_dir=tmp_path, checkpoint_every=1, background=True,
-    )  # fmt: skip
-    wait_for_steps(run, 20)
-    os.kill(process_pid(run, "ps", 0), signal.SIGKILL)
-    with pytest.raises(wb.WorkerError, match=r"parameter server 0 .* killed by SIGKILL") as info:
-        run.wait(timeout=60)
-    assert info.value.run is run and len(run.history) == run.steps >= 20
-
-
-@pytest.mark.slow
-def test_replicate_cell_on_async_ps_trains_in_its_processes(notebook):  # noqa: F811 - the fixture
-    run = notebook.run_cell_magic(
-        "replicate", "--backend async-ps --workers 2 --ps 1 --steps 200 --no-live", PROCESS_CELL
-    )
-    assert run.status == "finished" and run.steps == 200 and run.executed_steps >= 200
-    assert run.config["synchronous"] is False and set(run.history["workers"]) == {2}
-    assert run.history["loss"].iloc[-10:].mean() < 0.1 * run.history["loss"].iloc[:10].mean()
-    # The trained weights came back into the cell's model in the notebook...
-    x = notebook.user_ns["features"][:64]
-    y = notebook.user_ns["targets"][:64]
-    loss_here = float(np.mean((notebook.user_ns["model"](x).numpy() - y) ** 2))
-    assert loss_here < 0.5 * run.history["loss"].iloc[0]
-    # ...and this process never joined a cluster: its TensorFlow job is still 'localhost', and
-    # a later mirrored run works here.
-    assert "/job:localhost/" in tf.constant(1.0).device
-    mirrored = wb.replicator("mirrored", num_replicas=2)
-    with mirrored.context():
-        _, step_fn = regression_model_and_step(mirrored)
-    assert mirrored.train(step_fn, regression_input_fn, steps=5).status == "finished"
-
-
 # ----- no open doors: every process a local run starts is reachable from this machine only -------------
 @pytest.mark.slow
+@pytest.mark.shares_warm_pool
 @pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
 def test_local_cluster_listens_on_loopback_only_and_refuses_the_host_address(backend):
     from workbench._src.launch import netns
@@ -181,6 +150,47 @@ def test_local_cluster_listens_on_loopback_only_and_refuses_the_host_address(bac
         run.stop()
         run.wait(timeout=120)
     assert run.status == "stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.shares_warm_pool
+def test_replicate_cell_on_async_ps_trains_in_its_processes(notebook):  # noqa: F811 - the fixture
+    run = notebook.run_cell_magic(
+        "replicate", "--backend async-ps --workers 2 --ps 1 --steps 200 --no-live", PROCESS_CELL
+    )
+    assert run.status == "finished" and run.steps == 200 and run.executed_steps >= 200
+    assert run.config["synchronous"] is False and set(run.history["workers"]) == {2}
+    assert run.history["loss"].iloc[-10:].mean() < 0.1 * run.history["loss"].iloc[:10].mean()
+    # The trained weights came back into the cell's model in the notebook...
+    x = notebook.user_ns["features"][:64]
+    y = notebook.user_ns["targets"][:64]
+    loss_here = float(np.mean((notebook.user_ns["model"](x).numpy() - y) ** 2))
+    assert loss_here < 0.5 * run.history["loss"].iloc[0]
+    # ...and this process never joined a cluster: its TensorFlow job is still 'localhost', and
+    # a later mirrored run works here.
+    assert "/job:localhost/" in tf.constant(1.0).device
+    mirrored = wb.replicator("mirrored", num_replicas=2)
+    with mirrored.context():
+        _, step_fn = regression_model_and_step(mirrored)
+    assert mirrored.train(step_fn, regression_input_fn, steps=5).status == "finished"
+
+
+@pytest.mark.slow
+@pytest.mark.shares_warm_pool
+def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    run = repl.train(setup=regression_setup, steps=1500, steps_per_execution=5, background=True)
+    wait_for_steps(run, 100)
+    os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
+    run.wait(timeout=240)
+    assert run.status == "finished", run.stop_reason
+    history = run.history
+    assert run.steps == 1500 and list(history["step"]) == list(range(1, 1501))
+    assert run.executed_steps >= 1500  # at-least-once: lost chunks run again
+    lost = [e for e in run.events if e.kind == "message" and "worker 1" in e.data.get("text", "")]
+    assert lost and "killed by SIGKILL" in lost[0].data["text"]
+    assert history["workers"].iloc[0] == 2 and history["workers"].iloc[-1] == 1
+    assert np.isfinite(history["loss"]).all()
 
 
 def test_unusable_checkpoint_dir_is_refused_before_any_process_starts(tmp_path):

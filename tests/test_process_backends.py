@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,7 +110,11 @@ def conformance_on_worker(repl):
 
 
 # ----- multi-worker (synchronous) ---------------------------------------------------------------
+# The first four tests run on one warm pool of two workers, in this order (shares_warm_pool,
+# tests/conftest.py): each later run takes it warm and must behave as on fresh processes; the
+# killed worker's run retires it.
 @pytest.mark.slow
+@pytest.mark.shares_warm_pool
 def test_multi_worker_conformance_matches_one_device():
     repl = wb.MultiWorkerReplicator(num_workers=2)
     assert repl.num_replicas == 2 and repl.describe()["synchronous"] is True
@@ -140,6 +145,7 @@ def test_multi_worker_conformance_matches_one_device():
 
 
 @pytest.mark.slow
+@pytest.mark.shares_warm_pool
 def test_multi_worker_interrupt_stops_every_worker_at_one_step():
     repl = wb.MultiWorkerReplicator(num_workers=2)
     events = []
@@ -159,8 +165,28 @@ def test_multi_worker_interrupt_stops_every_worker_at_one_step():
     assert len(history) == run.steps and list(history["step"]) == list(range(1, run.steps + 1))
     assert np.isfinite(history["loss"]).all()
     texts = [e.data.get("text", "") for e in events if e.kind == "message"]
-    assert any("multi-worker processes ready" in t for t in texts)
+    # (on fresh processes "processes ready in ...", on the warm pool "warm pool (run N) ready in ...")
+    assert any(re.match(r"multi-worker (processes|warm pool \(run \d+\)) ready in", t) for t in texts), texts
     assert [(p["role"], p["index"]) for p in run.processes] == [("worker", 0), ("worker", 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.shares_warm_pool
+def test_replicate_cell_on_multi_worker_trains_in_workers_and_returns_the_weights(notebook):
+    run = notebook.run_cell_magic(
+        "replicate", "--backend multi-worker --workers 2 --steps 150 --no-live", PROCESS_CELL
+    )
+    assert isinstance(run, wb.Run) and run.status == "finished" and run.steps == 150
+    assert run.config["backend"] == "multi-worker" and run.config["num_workers"] == 2
+    history = run.history
+    assert history["loss"].iloc[-10:].mean() < 0.1 * history["loss"].iloc[:10].mean()
+    # The notebook's `model` was built by the cell here and now holds the chief's trained weights.
+    model = notebook.user_ns["model"]
+    x = np.random.RandomState(2).randn(64, 8).astype("float32")
+    target = x @ np.linspace(-1, 1, 8, dtype="float32")[:, None]
+    assert float(np.mean((model(x).numpy() - target) ** 2)) < 0.1 * float(np.mean(target**2))
+    assert any("trained weights" in e.data.get("text", "") for e in run.events if e.kind == "message")
+    assert wb.runs()["id"].str.contains(run.id).any()  # recorded in the run store like any run
 
 
 def start_background_run(repl, steps=1_000_000):
@@ -170,6 +196,7 @@ def start_background_run(repl, steps=1_000_000):
 
 
 @pytest.mark.slow
+@pytest.mark.shares_warm_pool
 def test_multi_worker_killed_worker_stops_the_run_with_its_name():
     run = start_background_run(wb.MultiWorkerReplicator(num_workers=2))
     os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
@@ -321,25 +348,6 @@ def test_killed_kernel_leaves_no_processes(tmp_path):
     finally:
         if kernel.poll() is None:
             kernel.kill()
-
-
-# ----- from a notebook: the %%replicate cell ------------------------------------------------------
-@pytest.mark.slow
-def test_replicate_cell_on_multi_worker_trains_in_workers_and_returns_the_weights(notebook):
-    run = notebook.run_cell_magic(
-        "replicate", "--backend multi-worker --workers 2 --steps 150 --no-live", PROCESS_CELL
-    )
-    assert isinstance(run, wb.Run) and run.status == "finished" and run.steps == 150
-    assert run.config["backend"] == "multi-worker" and run.config["num_workers"] == 2
-    history = run.history
-    assert history["loss"].iloc[-10:].mean() < 0.1 * history["loss"].iloc[:10].mean()
-    # The notebook's `model` was built by the cell here and now holds the chief's trained weights.
-    model = notebook.user_ns["model"]
-    x = np.random.RandomState(2).randn(64, 8).astype("float32")
-    target = x @ np.linspace(-1, 1, 8, dtype="float32")[:, None]
-    assert float(np.mean((model(x).numpy() - target) ** 2)) < 0.1 * float(np.mean(target**2))
-    assert any("trained weights" in e.data.get("text", "") for e in run.events if e.kind == "message")
-    assert wb.runs()["id"].str.contains(run.id).any()  # recorded in the run store like any run
 
 
 # ----- scaling studies on worker processes ----------------------------------------------------
