@@ -103,18 +103,31 @@ def test_sync_run_on_ray_equals_the_local_launcher_and_leaves_nothing_after_shut
 
 
 @pytest.mark.slow
+@pytest.mark.shares_warm_pool  # its pool goes to the next test, warm; that test's kill retires it
 def test_async_ps_on_ray_trains_with_one_row_per_step(ray_cluster):
     repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
+    run = repl.train_cell(PROCESS_CELL, {}, steps=60)
+    assert run.status == "finished", run.stop_reason
+    assert len(run.history) == 60
+    roles = sorted((p["role"], p["index"]) for p in run.processes)
+    assert roles == [("coordinator", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
+    loss = run.history["loss"]
+    assert loss.tail(10).mean() < loss.head(10).mean(), list(loss)
+
+
+@pytest.mark.slow
+@pytest.mark.shares_warm_pool
+def test_a_killed_parameter_server_actor_ends_an_async_run_naming_it(ray_cluster):
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
     try:
-        run = repl.train_cell(PROCESS_CELL, {}, steps=60)
-        assert run.status == "finished", run.stop_reason
-        assert len(run.history) == 60
-        roles = sorted((p["role"], p["index"]) for p in run.processes)
-        assert roles == [("coordinator", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
-        loss = run.history["loss"]
-        assert loss.tail(10).mean() < loss.head(10).mean(), list(loss)
+        run = repl.train(setup=regression_setup, steps=100_000, background=True)
+        wait_for_steps(run, 50)
+        victim = next(p for p in run.processes if p["role"] == "ps")
+        _kill_and_expect_a_worker_error_naming(run, victim, "ps 0")
+        assert run.status == "failed" and len(run.history) >= 50  # what ran is kept
     finally:
         repl.shutdown()
+    assert _placement_groups_alive() == []
 
 
 @pytest.mark.slow
@@ -135,20 +148,6 @@ def test_a_killed_worker_actor_ends_a_sync_run_naming_the_worker_and_its_node(ra
     assert _placement_groups_alive() == []
     # Killed by a signal, it could not remove its temp folder: the pool had a member on its node do it.
     assert not os.path.exists(victim_tmp), os.listdir(victim_tmp)
-
-
-@pytest.mark.slow
-def test_a_killed_parameter_server_actor_ends_an_async_run_naming_it(ray_cluster):
-    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=ray_cluster)
-    try:
-        run = repl.train(setup=regression_setup, steps=100_000, background=True)
-        wait_for_steps(run, 50)
-        victim = next(p for p in run.processes if p["role"] == "ps")
-        _kill_and_expect_a_worker_error_naming(run, victim, "ps 0")
-        assert run.status == "failed" and len(run.history) >= 50  # what ran is kept
-    finally:
-        repl.shutdown()
-    assert _placement_groups_alive() == []
 
 
 @pytest.mark.slow
