@@ -1,9 +1,12 @@
 """Test setup: 8 virtual CPU devices, fixed before TensorFlow initialises (as TF's own
 distribute tests do with set_logical_devices_to_at_least), so multi-replica tests run anywhere."""
 
+import gc
 import os
 import sys
+import threading
 import time
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("WORKBENCH_RUNS_DIR", os.path.join(os.path.dirname(__file__), "..", "runs", "tests"))
@@ -15,6 +18,33 @@ from toy_models import toy_data  # noqa: E402
 import workbench as wb  # noqa: E402
 
 wb.configure_devices(cpus=8)
+
+# A thread held up in Python's garbage collector is reported as a warning of the test it happened
+# in. Suspected cause of the suite's rare idle stalls (a test or the dashboard's renderer waiting
+# 10-140 s with no CPU): the collector freeing a TensorFlow input iterator, whose C++ destructor
+# waits for tf.data's tuning thread (workbench/_src/core/reaper.py does those deletions on its own
+# thread, where they are expected to take long).
+SLOW_COLLECTION_SECONDS = 3.0
+_collection_started: dict[int, float] = {}
+
+
+def _report_slow_collections(phase: str, info: dict) -> None:
+    thread = threading.current_thread()
+    if phase == "start":
+        _collection_started[thread.ident] = time.monotonic()
+        return
+    started = _collection_started.pop(thread.ident, None)
+    seconds = time.monotonic() - started if started is not None else 0.0
+    if seconds > SLOW_COLLECTION_SECONDS and thread.name != "workbench iterator reaper":
+        warnings.warn(
+            f"Python's garbage collector held thread {thread.name!r} for {seconds:.1f} s "
+            f"(generation {info['generation']}, {info['collected']} objects freed)",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+gc.callbacks.append(_report_slow_collections)
 
 
 @pytest.fixture
