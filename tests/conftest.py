@@ -26,9 +26,10 @@ wb.configure_devices(cpus=8)
 # thread, where they are expected to take long).
 SLOW_COLLECTION_SECONDS = 3.0
 _collection_started: dict[int, float] = {}
+_slow_collections: list[str] = []  # said by the running test's teardown (not from inside the collector)
 
 
-def _report_slow_collections(phase: str, info: dict) -> None:
+def _time_collections(phase: str, info: dict) -> None:
     thread = threading.current_thread()
     if phase == "start":
         _collection_started[thread.ident] = time.monotonic()
@@ -36,15 +37,20 @@ def _report_slow_collections(phase: str, info: dict) -> None:
     started = _collection_started.pop(thread.ident, None)
     seconds = time.monotonic() - started if started is not None else 0.0
     if seconds > SLOW_COLLECTION_SECONDS and thread.name != "workbench iterator reaper":
-        warnings.warn(
+        _slow_collections.append(
             f"Python's garbage collector held thread {thread.name!r} for {seconds:.1f} s "
-            f"(generation {info['generation']}, {info['collected']} objects freed)",
-            RuntimeWarning,
-            stacklevel=1,
+            f"(generation {info['generation']}, {info['collected']} objects freed)"
         )
 
 
-gc.callbacks.append(_report_slow_collections)
+gc.callbacks.append(_time_collections)
+
+
+@pytest.fixture(autouse=True)
+def _report_slow_collections():
+    yield
+    while _slow_collections:
+        warnings.warn(_slow_collections.pop(0), RuntimeWarning, stacklevel=1)
 
 
 @pytest.fixture
