@@ -70,12 +70,17 @@ def _pool_module():
     return sys.modules.get("workbench._src.launch.pool")
 
 
-def _pool_pids() -> set[int]:
-    """The pids of this process's live warm pools (their workers, servers and coordinators)."""
+def _cluster_pids() -> set[str]:
+    """The pids (as text) of this process's descendants running a worker or server module."""
+    return {line.split()[0] for line in cluster_processes()}
+
+
+def _pool_pids() -> set[str]:
+    """The pids (as text) of this process's live warm pools (workers, servers, coordinators)."""
     pool = _pool_module()
     if pool is None:
         return set()
-    return {p["pid"] for each in pool.live_pools() for p in each.processes}
+    return {str(p["pid"]) for each in pool.live_pools() for p in each.processes}
 
 
 def _end_pools_and_check() -> None:
@@ -85,11 +90,11 @@ def _end_pools_and_check() -> None:
         return
     pids = _pool_pids()
     pool.shutdown()
-    left = {line.split()[0] for line in cluster_processes()} & {str(pid) for pid in pids}
+    left = _cluster_pids() & pids
     deadline = time.monotonic() + 10
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left &= {line.split()[0] for line in cluster_processes()}
+        left &= _cluster_pids()
     assert not left, f"warm-pool processes left behind after shutdown: {sorted(left)}"
 
 
@@ -127,12 +132,12 @@ def _warm_pools_end_with_their_file():
 def no_orphans(request):
     adopt_orphans(True)
     # (a warm pool a sharing test left is counted as this test's: its run may retire it)
-    before = {line.split()[0] for line in cluster_processes()} - {str(pid) for pid in _pool_pids()}
+    before = _cluster_pids() - _pool_pids()
     shares = _shares_pools(request)
 
     def left_behind() -> list[str]:
         # (a sharing test's warm pool is not left behind: the next test or the file's end ends it)
-        kept = {str(pid) for pid in _pool_pids()} if shares else set()
+        kept = _pool_pids() if shares else set()
         return [line for line in cluster_processes() if line.split()[0] not in before | kept]
 
     yield

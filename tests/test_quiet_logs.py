@@ -9,7 +9,7 @@ import sys
 
 import nbformat
 import pytest
-from helpers import TF_NOISE as NOISE
+from helpers import TF_NOISE
 from nbclient import NotebookClient
 
 pytestmark = pytest.mark.slow  # every test starts a kernel or a process that imports TensorFlow afresh
@@ -51,9 +51,11 @@ def test_first_cell_shows_no_error_level_line(tmp_path):
 
 def test_workbench_tf_logs_brings_tensorflows_logs_back(tmp_path):
     stderr = stderr_text(first_cell_outputs(tmp_path, "1"))
-    if not NOISE.search(stderr) and not NOISE.search(_tf_import_stderr()):
+    if not TF_NOISE.search(stderr) and not TF_NOISE.search(_tf_import_stderr()):
         pytest.skip("this TensorFlow prints nothing at start-up here: nothing to bring back")
-    assert NOISE.search(stderr), f"WORKBENCH_TF_LOGS=1 showed none of TensorFlow's start-up lines:\n{stderr}"
+    assert TF_NOISE.search(stderr), (
+        f"WORKBENCH_TF_LOGS=1 showed none of TensorFlow's start-up lines:\n{stderr}"
+    )
 
 
 def _tf_import_stderr() -> str:

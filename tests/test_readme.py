@@ -183,6 +183,11 @@ def test_the_bash_blocks_run_multi_worker_and_async_ps():
         assert any(f"workbench run examples/train.py {backend}" in line for line in commands), backend
 
 
+def option(words: list[str], flag: str) -> str | None:
+    """The value given to `flag` in a command's words, or None when the flag is not there."""
+    return words[words.index(flag) + 1] if flag in words else None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", blocks_of("bash"), ids=block_id)
 def test_cheap_bash_block_runs_as_written(block, user_folder):
@@ -198,8 +203,8 @@ def test_cheap_bash_block_runs_as_written(block, user_folder):
     commands = [words for words in commands if words]
     for words in commands:  # files the commands were asked to write
         for flag in ("--history", "--csv", "--out"):
-            if flag in words:
-                assert (user_folder / words[words.index(flag) + 1]).is_file(), words
+            if option(words, flag):
+                assert (user_folder / option(words, flag)).is_file(), words
     # Every `workbench run` ends with its one-line JSON summary (the last of its stdout), and
     # trains what it was asked: one history row per step, from step 1, and a loss that falls.
     runs = [words for words in commands if words[:2] == ["workbench", "run"]]
@@ -207,11 +212,11 @@ def test_cheap_bash_block_runs_as_written(block, user_folder):
     assert len(summaries) == len(runs), done.stdout[-3000:]
     for words, summary in zip(runs, summaries):
         assert summary["status"] == "finished", (words, summary)
-        if "--steps" not in words:
+        if not option(words, "--steps"):
             continue
-        steps = int(words[words.index("--steps") + 1])
+        steps = int(option(words, "--steps"))
         assert summary["steps"] == steps, (words, summary)
-        if "--history" in words:
-            history = pd.read_csv(user_folder / words[words.index("--history") + 1])
+        if option(words, "--history"):
+            history = pd.read_csv(user_folder / option(words, "--history"))
             assert list(history["step"]) == list(range(1, steps + 1)), words
             assert history["loss"].iloc[-10:].mean() < history["loss"].iloc[:10].mean(), words
