@@ -199,6 +199,8 @@ def test_cheap_bash_block_runs_as_written(block, user_folder):
         timeout=900,
     )
     assert done.returncode == 0, f"{block_id(block)} (bash) failed:\n{done.stderr[-4000:]}"
+    # Quiet: neither TensorFlow's start-up lines nor (`--cluster ray=local`) Ray's reach the user.
+    assert done.stderr.strip() == "", f"{block_id(block)} printed to stderr:\n{done.stderr[-4000:]}"
     commands = [shlex.split(line, comments=True) for line in block["source"].splitlines()]
     commands = [words for words in commands if words]
     for words in commands:  # files the commands were asked to write

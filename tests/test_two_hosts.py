@@ -206,20 +206,40 @@ def test_async_ps_cut_worker_host_is_declared_lost_rejoins_and_ctrl_c_during_a_c
     assert "Traceback" not in text and "ERROR:tensorflow" not in text
 
 
+def _goes_on_then_interrupted(chief, log, history) -> None:
+    """After a worker was declared lost, the run goes on with the one left (300 steps more), and
+    Ctrl-C ends it cleanly with its history whole. (Ended by Ctrl-C rather than run to a
+    fixed step count: how many steps fit before the loss depends on the machine's speed. That a run
+    finishes on its own after a loss is test_async_ps' and test_ray's.)"""
+    lost = _wait_for_text(log, "(worker_timeout): declared lost", 5 + 60, chief)
+    assert "the run goes on with 1 of 2 workers" in lost, lost[-3000:]
+    at_loss = _last_step(log)
+    deadline = time.monotonic() + 60
+    while _last_step(log) < at_loss + 300 and time.monotonic() < deadline and chief.poll() is None:
+        time.sleep(0.2)
+    assert _last_step(log) >= at_loss + 300, (
+        f"the run did not go on with worker 0:\n{log.read_text()[-3000:]}"
+    )
+    chief.send_signal(signal.SIGINT)
+    code = _wait(chief, 30)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert summary["status"] == "stopped" and summary["stop_reason"].startswith("interrupted at step")
+    rows = pd.read_csv(history)
+    assert list(rows["step"]) == list(range(1, summary["steps"] + 1))  # every step, none lost
+    assert rows["workers"].iloc[-1] == 1 and summary["steps"] > at_loss
+
+
 def test_async_ps_killed_remote_worker_is_reported_and_the_run_goes_on(hosts, tmp_path):
     history = tmp_path / "history.csv"
     chief, servers = _async_cluster_running(
-        hosts, tmp_path, "--steps", "6000", "--worker-timeout", "5", "--history", str(history)
+        hosts, tmp_path, "--steps", "10000000", "--worker-timeout", "5", "--history", str(history)
     )
     servers["worker 1"].kill()  # on host 1: its port now refuses
-    code = _wait(chief, 240)
-    text = (tmp_path / "chief.log").read_text()
-    assert code == 0, text[-3000:]
-    said = [line for line in text.splitlines() if line.startswith("[workbench] worker 1")]
-    assert said, f"the dead worker was never reported:\n{text[-3000:]}"
-    rows = pd.read_csv(history)
-    assert list(rows["step"]) == list(range(1, 6001))  # every step, on the worker left
-    assert rows["workers"].iloc[-1] == 1
+    _goes_on_then_interrupted(chief, tmp_path / "chief.log", history)
+    said = (tmp_path / "chief.log").read_text()
+    assert f"worker 1 at {_cluster(hosts)['worker'][1]} has not answered for 5 s" in said, said[-3000:]
 
 
 def test_multi_worker_link_cut_ends_both_hosts_with_a_sentence_and_the_chiefs_history(hosts, tmp_path):
@@ -303,19 +323,18 @@ def test_a_port_held_by_something_that_is_not_a_peer_fails_the_join_within_the_t
     assert impostor.poll() is None  # (ended with the hosts)
 
 
-def test_async_ps_frozen_remote_worker_is_declared_lost_and_the_run_finishes(hosts, tmp_path):
+def test_async_ps_frozen_remote_worker_is_declared_lost_and_the_run_goes_on(hosts, tmp_path):
     # A frozen process still accepts TCP (the kernel does it for it): only the peer probe sees it
     history = tmp_path / "history.csv"
     chief, servers = _async_cluster_running(
-        hosts, tmp_path, "--steps", "8000", "--worker-timeout", "5", "--history", str(history)
+        hosts, tmp_path, "--steps", "10000000", "--worker-timeout", "5", "--history", str(history)
     )
     servers["worker 1"].send_signal(signal.SIGSTOP)
     try:
-        code = _wait(chief, 240)
+        _goes_on_then_interrupted(chief, tmp_path / "chief.log", history)
     finally:
         servers["worker 1"].send_signal(signal.SIGCONT)
-    text = (tmp_path / "chief.log").read_text()
-    assert code == 0, text[-3000:]
-    assert "worker 1 at" in text and "(worker_timeout): declared lost" in text, text[-3000:]
-    rows = pd.read_csv(history)
-    assert list(rows["step"]) == list(range(1, 8001)) and rows["workers"].iloc[-1] == 1
+    assert (
+        f"worker 1 at {_cluster(hosts)['worker'][1]} has not answered for 5 s"
+        in (tmp_path / "chief.log").read_text()
+    )
