@@ -64,6 +64,8 @@ def pytest_sessionfinish(session, exitstatus):
     from workbench._src.core import reaper
 
     reaper.exit_code_hint = int(exitstatus)
+    if "notebook_toy" in sys.modules:  # the in-process IPython shell was used
+        sys.modules["notebook_toy"].end_ipython_shell()
 
 
 def _pool_module():

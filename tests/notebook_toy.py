@@ -48,6 +48,20 @@ def isolated_notebook_state(runs_dir):
         session.reset()
 
 
+def end_ipython_shell() -> None:
+    """Runs the in-process shell's exit hook now, if the shell was started: it ends the history
+    session and removes the temporary history file IPython's test shell writes. A test process
+    may end by the reaper's early exit (os._exit), which would skip that hook."""
+    import atexit
+
+    from IPython.testing import globalipapp
+
+    if getattr(globalipapp.start_ipython, "already_called", False):
+        shell = globalipapp.get_ipython()
+        atexit.unregister(shell.atexit_operations)
+        shell.atexit_operations()
+
+
 def ipython_shell():
     """The in-process IPython shell (started once per test process), with the extension loaded."""
     from IPython.testing.globalipapp import get_ipython, start_ipython

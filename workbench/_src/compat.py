@@ -10,6 +10,7 @@ Checked on TensorFlow 2.21.0, Keras 3.15.1, CPython 3.11.7.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import weakref
 
@@ -27,6 +28,21 @@ def run_weakref_finalizers() -> None:
     now, before an os._exit that would skip them. `weakref.finalize._exitfunc` is what atexit
     calls; there is no public name for it. Remove with the reaper's early exit."""
     weakref.finalize._exitfunc()
+
+
+def remove_autograph_files() -> None:
+    """TensorFlow: removes the `__autograph_generated_file*.py` files AutoGraph wrote to the temp
+    folder, as its own exit hooks would (pyct/loader.py registers one atexit hook per file and
+    keeps each module in sys.modules under the file's name). Why: the reaper's early exit
+    (os._exit) skips those hooks, and AutoGraph has no public clean-up. Checked on 2.21. Remove
+    with the reaper's early exit."""
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.startswith("__autograph_generated_file") and path:
+            try:
+                os.remove(path)
+            except OSError:  # gone already, or not ours to remove
+                pass
 
 
 def thread_frame(thread):

@@ -168,6 +168,7 @@ def _exit_now() -> None:
 
     code = exit_code_hint if exit_code_hint is not None else (1 if hasattr(sys, "last_value") else 0)
     compat.run_weakref_finalizers()  # e.g. temporary folders; their atexit hook may run after this one
+    compat.remove_autograph_files()  # TensorFlow's atexit hooks for them may run after this one too
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
