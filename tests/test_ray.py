@@ -222,6 +222,22 @@ def test_the_panel_places_workers_on_ray_and_shows_the_cluster(ray_cluster, tmp_
             panel.close()
 
 
+@pytest.mark.slow
+def test_members_on_this_node_leave_no_temp_folder_when_ray_was_shut_down_first(ray_cluster):
+    """Ray shut down before the pool (a script's exit, where Ray's exit hook may run first) ends
+    the actors without their clean-up: the launcher removes the temp folders of the members on its
+    own node itself. (The last test of the module's Ray instance: it shuts it down.)"""
+    import ray
+
+    repl = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster)
+    assert repl.train(setup=regression_setup, steps=5).status == "finished"
+    folders = [member.tmp_dir for member in repl.launcher.pool.group.children]
+    assert len(folders) == 2 and all(os.path.isdir(folder) for folder in folders), folders
+    ray.shutdown()
+    repl.shutdown()
+    assert [folder for folder in folders if os.path.exists(folder)] == []
+
+
 def test_a_killed_kernels_ray_temp_root_is_removed_by_the_next_local_instance(tmp_path):
     """A kernel killed by a signal (nbval, JupyterLab's shutdown) runs no exit hook: its local Ray
     instance's temp root stays. The next process that starts one removes the roots of owners that

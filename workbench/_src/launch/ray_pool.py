@@ -26,12 +26,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import os
 import queue
+import shutil
 import threading
 import time
 
 from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.launch.pool_common import PoolCommon
+from workbench._src.launch.processes import TMP_PREFIX
 from workbench._src.launch.ray_cluster import PLACEMENTS
 
 MEMBER_MODULE = "workbench._src.launch.ray_member"  # named, as worker_main is: it runs over there
@@ -165,6 +168,9 @@ class RayPool(PoolCommon):
         super().__init__(backend, plan, keep)
         self.cluster = plan.ray
         self.ray = ray = self.cluster.connect()
+        self.own_node_id = None  # the node this process runs on, if it is one (not Ray Client)
+        with contextlib.suppress(Exception):
+            self.own_node_id = ray.get_runtime_context().get_node_id()
         _stop_at_exit(self)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -285,8 +291,9 @@ class RayPool(PoolCommon):
             self._timer.cancel()
         ray = self.ray
         _live.discard(self)
-        if not ray.is_initialized():
-            return  # Ray was shut down first: it ended the actors it owned
+        if not ray.is_initialized():  # Ray was shut down first: it ended the actors it owned,
+            self._remove_folders_on_this_node()  # before they could clean up
+            return
         for member in self.group.children:
             member.expected_exit = True
         self.channel.broadcast({"type": "shutdown"}, timeout=grace / 2)  # (a cut-off member cannot answer)
@@ -302,8 +309,19 @@ class RayPool(PoolCommon):
         for member in self.group.children:
             with contextlib.suppress(Exception):
                 ray.kill(member.actor, no_restart=True)
+        self._remove_folders_on_this_node()
         with contextlib.suppress(Exception):
             self._remove_placement_group(self.placement_group)
+
+    def _remove_folders_on_this_node(self) -> None:
+        """The temp folders of members on this process's own node that are still there: a member
+        killed before its clean-up ran (Ray shut down first, at a script's exit; a clean-up slower
+        than the grace on a busy machine) is cleaned up from here. Members on other nodes clean up
+        themselves or by a sibling (`_remove_folders_of_the_dead`)."""
+        for member in self.group.children:
+            on_this_node = self.own_node_id is not None and member.node_id == self.own_node_id
+            if on_this_node and os.path.basename(member.tmp_dir).startswith(TMP_PREFIX):
+                shutil.rmtree(member.tmp_dir, ignore_errors=True)
 
     def _remove_folders_of_the_dead(self) -> list:
         """A member killed by a signal could not remove its temp folder (AutoGraph's files): a
