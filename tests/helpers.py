@@ -152,6 +152,21 @@ def wait_for(condition, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def shell_reply(kc, msg_id: str, timeout: float, what: str) -> dict:
+    """A kernel client's shell reply to request `msg_id`. Replies to other requests are passed
+    over: a kernel started under load can leave one (jupyter_client's wait_for_ready sends
+    kernel_info again when a reply is late)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            reply = kc.get_shell_msg(timeout=min(1.0, max(0.01, deadline - time.time())))
+        except queue.Empty:
+            continue
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
+    raise AssertionError(f"the kernel did not finish {what} within {timeout} s")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,13 +11,12 @@ timeout) is pushed from the thread that ended it.
 from __future__ import annotations
 
 import ast
-import queue
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from helpers import LabFrontend
+from helpers import LabFrontend, shell_reply
 
 TESTS = Path(__file__).resolve().parent
 
@@ -36,22 +35,13 @@ RUN = {"pids": "[p['pid'] for p in run.processes]", "status": "run.status"}
 def _execute(kc, code: str, expressions: dict | None = None, timeout: float = 60) -> dict:
     """Runs `code` in the kernel and returns `expressions` (literals) evaluated there afterwards."""
     msg_id = kc.execute(code, user_expressions=expressions or {})
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            reply = kc.get_shell_msg(timeout=min(1.0, max(0.01, deadline - time.time())))
-        except queue.Empty:
-            continue
-        if reply["parent_header"].get("msg_id") != msg_id:
-            continue
-        content = reply["content"]
-        assert content["status"] == "ok", f"{content.get('ename')}: {content.get('evalue')}"
-        found = {}
-        for name, value in content["user_expressions"].items():
-            assert value["status"] == "ok", value
-            found[name] = ast.literal_eval(value["data"]["text/plain"])
-        return found
-    raise AssertionError(f"the kernel did not finish {code[:60]!r}... within {timeout} s")
+    content = shell_reply(kc, msg_id, timeout, f"{code[:60]!r}...")["content"]
+    assert content["status"] == "ok", f"{content.get('ename')}: {content.get('evalue')}"
+    found = {}
+    for name, value in content["user_expressions"].items():
+        assert value["status"] == "ok", value
+        found[name] = ast.literal_eval(value["data"]["text/plain"])
+    return found
 
 
 def _alive(pid: int) -> bool:

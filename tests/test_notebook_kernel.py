@@ -8,6 +8,7 @@ import time
 
 import nbformat
 import pytest
+from helpers import shell_reply
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 from notebook_toy import TOY_CELL
@@ -90,20 +91,10 @@ def test_cell_form_line_form_background_and_panel_in_a_kernel(tmp_path, monkeypa
     assert (tmp_path / "runs").is_dir() and len(list((tmp_path / "runs").glob("*/dashboard.png"))) == 4
 
 
-def _reply_to(kc, msg_id, timeout):
-    """The shell reply to request `msg_id`. Replies to other requests are passed over: a start-up
-    under load can leave one (wait_for_ready sends kernel_info again when a reply is late)."""
-    deadline = time.time() + timeout
-    while True:
-        reply = kc.get_shell_msg(timeout=max(0.01, deadline - time.time()))
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply
-
-
 def _execute(kc, code, timeout=120):
     """Runs code in the kernel; returns (reply status, stdout text)."""
     msg_id = kc.execute(code)
-    reply = _reply_to(kc, msg_id, timeout)
+    reply = shell_reply(kc, msg_id, timeout, f"{code[:60]!r}...")
     return reply["content"]["status"], _drain_stdout(kc, msg_id)
 
 
@@ -144,7 +135,7 @@ def test_a_jupyter_interrupt_stops_the_run_at_a_step_boundary(tmp_path, monkeypa
             if msg and msg["msg_type"] == "stream" and "TRAINING" in msg["content"]["text"]:
                 break
         km.interrupt_kernel()
-        reply = _reply_to(kc, msg_id, 60)
+        reply = shell_reply(kc, msg_id, 60, "the interrupted cell")
         assert reply["content"]["status"] == "ok"  # no KeyboardInterrupt traceback: a clean stop
         _drain_stdout(kc, msg_id)
         status, out = _execute(

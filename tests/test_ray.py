@@ -224,9 +224,9 @@ def test_the_panel_places_workers_on_ray_and_shows_the_cluster(ray_cluster, tmp_
 
 @pytest.mark.slow
 def test_members_on_this_node_leave_no_temp_folder_when_ray_was_shut_down_first(ray_cluster):
-    """Ray shut down before the pool (a script's exit, where Ray's exit hook may run first) ends
-    the actors without their clean-up: the launcher removes the temp folders of the members on its
-    own node itself. (The last test of the module's Ray instance: it shuts it down.)"""
+    """Ray shut down before the pool (`ray.shutdown()` by the user, or a test's fixture) ends the
+    actors without their clean-up: the launcher removes the temp folders of the members on its own
+    node itself. (The last test of the module's Ray instance: it shuts it down.)"""
     import ray
 
     repl = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster)
