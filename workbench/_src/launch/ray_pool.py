@@ -315,7 +315,7 @@ class RayPool(PoolCommon):
 
     def _remove_folders_on_this_node(self) -> None:
         """The temp folders of members on this process's own node that are still there: a member
-        killed before its clean-up ran (Ray shut down first, at a script's exit; a clean-up slower
+        killed before its clean-up ran (Ray shut down first by `ray.shutdown()`; a clean-up slower
         than the grace on a busy machine) is cleaned up from here. Members on other nodes clean up
         themselves or by a sibling (`_remove_folders_of_the_dead`)."""
         for member in self.group.children:
