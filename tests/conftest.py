@@ -58,7 +58,7 @@ def data():
     return toy_data()
 
 
-# The longest files first, so that under `-n 3` (the README's test command) no worker is left
+# The longest files first, so that under `-n 3` (the README's fast way) no worker is left
 # running a long file alone at the end: a worker takes the next file when it is free. xdist's own
 # order (files with the most tests first, turned off in pyproject.toml) put the one-test files that
 # take a minute last. The order is the files' summed test times under `-n 3` on 2 cores, measured
