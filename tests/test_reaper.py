@@ -135,3 +135,42 @@ def test_an_early_exit_still_removes_the_files_tensorflow_wrote_for_autograph(tm
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split("generated")[1].split()[0]) >= 1, done.stdout
     assert list(private_tmp.iterdir()) == []
+
+
+def test_the_reaper_drops_an_iterators_last_handle_itself_not_inside_a_collection(tmp_path):
+    """The handle of a C++ iterator can also be captured by a reference cycle (a traced graph), so
+    a collector may free its last reference, on whatever thread it runs: a notebook's main thread
+    froze 4-80 s so, in ~IteratorResource. The reaper holds the handles while it collects and
+    drops them itself: the destruction runs on its thread and outside any collection."""
+    done, lines, _ = run_script(
+        tmp_path,
+        """
+        import gc, weakref
+        import tensorflow as tf
+        from workbench._src import compat
+
+        collecting = threading.local()
+        gc.callbacks.append(lambda phase, info: setattr(collecting, "on", phase == "start"))
+        iterator = iter(tf.data.Dataset.range(10))
+        next(iterator)
+        (handle,) = compat.iterator_resource_handles([iterator])
+        cycle = [handle]
+        cycle.append(cycle)  # a cycle that captures the handle, as a traced function's graph does
+
+        def destroyed(_):
+            log.write(f"{threading.current_thread().name} collecting={getattr(collecting, 'on', False)}\\n")
+            log.flush()
+
+        watch = weakref.ref(handle, destroyed)
+        del handle, cycle
+        gc.disable()  # no automatic collection: only the reaper's own
+        iterators = [iterator]
+        del iterator
+        reaper.discard_iterators(iterators)
+        deadline = time.monotonic() + 60
+        while watch() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        """,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert lines == ["workbench iterator reaper collecting=False"]

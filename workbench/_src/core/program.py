@@ -18,7 +18,6 @@ import gc
 import inspect
 import numbers
 import re
-import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -59,11 +58,8 @@ class Program:
         with _no_cyclic_gc():  # (a collection here could free an old iterator on this thread)
             self.iterator = iter(self.dataset)
         # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
-        # (reaper.py); when this program is garbage, its iterator is deleted on the reaper thread,
-        # not on whichever thread (the notebook's, a training run's) the garbage collector runs.
-        self._iterator_finalizer = weakref.finalize(self, reaper.discard_iterators, [self.iterator])
-        self._iterator_finalizer.atexit = False  # at exit reaper.track keeps it alive: never deleted
-        reaper.track(self)
+        # (reaper.py): the reaper deletes it when this program is garbage.
+        reaper.adopt(self)
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
         self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
         self.metric_names: list[str] | None = None  # scalar outputs, found while tracing

@@ -40,6 +40,15 @@ def track(program) -> None:
     _live_programs.add(program)
 
 
+def adopt(owner) -> None:
+    """Takes charge of `owner.iterator` (a Program's, a numerics twin's): when the owner is
+    garbage, its iterator is deleted on the reaper thread, not on whichever thread (the
+    notebook's, a training run's) the garbage collector runs; at exit it is kept alive."""
+    owner._iterator_finalizer = weakref.finalize(owner, discard_iterators, [owner.iterator])
+    owner._iterator_finalizer.atexit = False  # at exit `track` keeps it alive: never deleted
+    track(owner)
+
+
 def discard_programs(programs) -> None:
     """Detaches each Program's iterator and deletes it on the reaper thread.
 
@@ -102,14 +111,21 @@ def _reap() -> None:
                 return
             _deleting = True
         try:
-            iterators.clear()  # deletes them here; may wait for tf.data's tuning thread
+            # The C++ iterator lives as long as its resource handle, and the handle can outlive
+            # the Python iterator: the multi-device iterator's traced functions capture it, and an
+            # iterator or those graphs can sit in young reference cycles. Whichever thread's
+            # collector frees the last reference destroys the C++ iterator there, waiting for
+            # tf.data's threads (measured: the suite hung for minutes in ~MultiDeviceIterator
+            # under an EagerTensor_dealloc; a notebook's main thread froze 4-80 s in
+            # ~IteratorResource when its collector ran between this thread's drop and collect).
+            # So this thread holds the handles while the iterators and their cycles go, wherever
+            # they are collected, and drops the last references itself.
+            handles = compat.iterator_resource_handles(iterators)
+            iterators.clear()
             del iterators
-            # The iterator's resource can outlive the Python object: the multi-device iterator's
-            # traced functions capture its handle, and those graphs sit in reference cycles. Had
-            # the main thread's collector freed them, the C++ iterator would be destroyed there,
-            # holding the GIL while it waits for tf.data threads (measured: the suite hung for
-            # minutes in ~MultiDeviceIterator under an EagerTensor_dealloc). Collect them here.
             gc.collect()
+            handles.clear()  # the C++ destructors run here; may wait for tf.data's tuning thread
+            del handles
         finally:
             with _lock:
                 _deleting = False

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from workbench._src.backends import replicator
+from workbench._src.core import reaper
 from workbench._src.core.errors import ConfigurationError, InputError
 from workbench._src.core.inputs import (
     InputContext,
@@ -118,6 +119,10 @@ class Stepper:
                     worker_id=repl.worker_id,
                 )
             )
+        # A Stepper sits in a reference cycle (its compiled method): the collector frees it on
+        # whatever thread it runs, and deleting a distributed iterator there can freeze that
+        # thread 10-40 s (core/reaper.py). The reaper deletes it instead.
+        reaper.adopt(self)
         self.compiled = t.function(self._replicated)
 
     def _next_batch(self):
