@@ -194,10 +194,17 @@ def test_async_ps_cut_worker_host_is_declared_lost_rejoins_and_ctrl_c_during_a_c
     time.sleep(2)
     chief.send_signal(signal.SIGINT)
     interrupted = time.monotonic()
-    code = _wait(chief, 30)
+    summarized = None  # when the run's summary line showed: the run had stopped, the process not yet gone
+    while chief.poll() is None and time.monotonic() - interrupted < 30:
+        if summarized is None and '{"run": ' in log.read_text():
+            summarized = time.monotonic() - interrupted
+        time.sleep(0.1)
+    code, took = chief.poll(), time.monotonic() - interrupted
     text = log.read_text()
     assert code == 0, text[-3000:]
-    assert time.monotonic() - interrupted < 10, f"Ctrl-C took {time.monotonic() - interrupted:.0f} s"
+    # (Measured alone: the summary 3.1 s after Ctrl-C, one STOP_GRACE; the exit 1.2 s later, 5 s
+    # later with 3 other test files running. The failure says which of the two took the time.)
+    assert took < 10, f"Ctrl-C took {took:.0f} s: the run's summary showed after {summarized} s"
     summary = json.loads(text.strip().splitlines()[-1])
     assert summary["status"] == "stopped" and summary["stop_reason"].startswith("interrupted at step")
     rows = pd.read_csv(history)
