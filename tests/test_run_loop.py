@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -111,10 +110,20 @@ def test_background_run_stops_at_a_step_boundary():
 
 def test_ctrl_c_stops_the_run_and_returns_it():
     repl = wb.replicator("mirrored", num_replicas=2)
-    timer = threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
-    run = repl.train(lambda b: {"v": tf.reduce_mean(b)}, counting_input, steps=10**7)
-    timer.cancel()
+    sent = []
+
+    def ctrl_c_once_training(event):
+        # A real SIGINT, once steps are being recorded. (A timer started before `train` raced
+        # the run's set-up under load: a signal before the run's handler is a KeyboardInterrupt
+        # of the set-up, not a stop, and one was lost so: the test then ran 10**7 steps.)
+        if event.kind == "metrics" and not sent:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run = repl.train(
+        lambda b: {"v": tf.reduce_mean(b)}, counting_input, steps=10**7, sinks=[ctrl_c_once_training]
+    )
+    assert sent and time.monotonic() - sent[0] < 30
     assert run.status == "stopped" and run.steps > 0
     assert run.stop_reason == f"interrupted at step {run.steps}"
     assert list(run.history["v"]) == list(range(run.steps))
