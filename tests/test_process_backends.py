@@ -7,6 +7,7 @@ that none is left behind.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -216,6 +217,50 @@ def test_multi_worker_frozen_worker_is_named_within_30_seconds():
     with pytest.raises(wb.WorkerError, match=r"worker 1 \(pid \d+\) stopped responding"):
         run.wait(timeout=60)
     assert time.monotonic() - frozen < 30
+
+
+def hold_the_gil_busy(seconds: float) -> float:
+    """One C call that keeps a CPU busy and never lets go of Python's GIL for about `seconds`
+    (a regular expression that backtracks: each character more doubles its time); returns how
+    long it held it. No other thread of the process runs meanwhile, heartbeats included."""
+    length, took = 16, 0.0
+    while took < 0.1:  # measured on a call long enough to time well
+        length += 1
+        started = time.perf_counter()
+        re.match(r"(a+)+$", "a" * length + "b")
+        took = time.perf_counter() - started
+    length += round(math.log2(seconds / took))  # the nearest: 0.7 to 1.4 times `seconds`
+    started = time.perf_counter()
+    re.match(r"(a+)+$", "a" * length + "b")
+    return time.perf_counter() - started
+
+
+def busy_worker_1_setup(seconds: float):
+    def setup(repl):
+        if repl.worker_id == 1:
+            print(f"worker 1 held the GIL for {hold_the_gil_busy(seconds):.1f} s", flush=True)
+        return regression_setup(repl)
+
+    return setup
+
+
+@pytest.mark.slow
+@pytest.mark.shares_warm_pool
+def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit():
+    # Its heartbeat thread cannot run while one call holds the GIL: late heartbeats with CPU time
+    # used are a busy process (the run goes on), for at most BUSY_SILENCE_LIMIT timeouts.
+    from workbench._src.launch.launcher import BUSY_SILENCE_LIMIT
+
+    repl = wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=2)
+    run = repl.train(setup=busy_worker_1_setup(5), steps=20)  # silent 3.5-7 s: over 2 timeouts
+    assert run.status == "finished" and run.steps == 20
+    started = time.monotonic()
+    with pytest.raises(
+        wb.WorkerError,
+        match=r"worker 1 \(pid \d+\) stopped responding: no heartbeat for \d+ s while it kept a CPU busy",
+    ):
+        repl.train(setup=busy_worker_1_setup(4 * BUSY_SILENCE_LIMIT * 2), steps=20)
+    assert time.monotonic() - started < 4 * BUSY_SILENCE_LIMIT * 2  # the limit, not the call's end
 
 
 def worker_number(repl):

@@ -25,6 +25,14 @@ from workbench._src.core.run_options import options_from
 from workbench._src.launch import pool as pools
 from workbench._src.launch import shipping
 
+# A local process whose heartbeat is late but that keeps using CPU is busy, not frozen: its
+# heartbeat thread cannot run while another thread holds Python's GIL in one long C call (a
+# regular expression, a large json or pickle load, building a big graph), and a busy machine
+# delays it too. Measured: a worker holding the GIL, busy, for 15 s was declared frozen after 10.
+# A frozen (SIGSTOP) or hung process uses next to none; TensorFlow's idle threads well under 5%.
+BUSY_CPU_SHARE = 0.05  # a silent process using at least this share of one core is busy
+BUSY_SILENCE_LIMIT = 6  # ... for at most this many heartbeat timeouts (a GIL held for good)
+
 
 @dataclasses.dataclass
 class Task:
@@ -154,6 +162,7 @@ class _Watch:
         self.tasks = [t.name for t in pool.tasks]
         self.chief = self.tasks[0]
         self.heard: dict[str, float] = {}
+        self.cpu_seen: dict[str, tuple[float, float, float]] = {}  # task -> (at, CPU s, busy at)
         self.ready: set[str] = set()
         self.results: dict = {}
         self.stop_sent = False
@@ -259,13 +268,24 @@ class _Watch:
                 f"{self._at_step()}; every process of the run was stopped.",
                 f"{child.role}:{child.index}",
             )
+        timeout = self.launcher.heartbeat_timeout
         for task in self.tasks:
             last = self.heard.get(task)
-            if last is not None and task not in self.results and now - last > self.launcher.heartbeat_timeout:
+            if last is None or task in self.results:
+                continue
+            silent = now - last
+            if self._idle_for(task, now) > timeout:
                 self._raise(
                     f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
-                    f"{now - last:.0f} s (frozen, stopped or starved){self._at_step()}; every process "
-                    "of the run was stopped.",
+                    f"{silent:.0f} s and no CPU time used (frozen, stopped or starved){self._at_step()}; "
+                    "every process of the run was stopped.",
+                    task,
+                )
+            if silent > BUSY_SILENCE_LIMIT * timeout:
+                self._raise(
+                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
+                    f"{silent:.0f} s while it kept a CPU busy (one call holding Python's GIL that long, "
+                    f"or a loop that never returns){self._at_step()}; every process of the run was stopped.",
                     task,
                 )
         if len(self.ready) < len(self.tasks) and now - self.started > self.launcher.startup_timeout:
@@ -282,6 +302,24 @@ class _Watch:
         if self.run is not None and self.run.stop_requested and not self.stop_sent:
             self.channel.broadcast({"type": "stop", "run": self.number})
             self.stop_sent = True
+
+    def _idle_for(self, task: str, now: float) -> float:
+        """Seconds since `task` last showed it is alive: a message from it, or CPU time it used
+        (BUSY_CPU_SHARE of a core, over windows of a second or more) while its heartbeats were
+        late. A process whose CPU time cannot be read (a Ray member) has its messages only."""
+        heard = self.heard[task]
+        if now - heard < 1.0:
+            self.cpu_seen.pop(task, None)
+            return now - heard
+        cpu = self._child(task).cpu_seconds()
+        if cpu is None:
+            return now - heard
+        at, used, busy_at = self.cpu_seen.setdefault(task, (now, cpu, heard))
+        if now - at >= 1.0:
+            if cpu - used >= BUSY_CPU_SHARE * (now - at):
+                busy_at = now
+            self.cpu_seen[task] = (now, cpu, busy_at)
+        return now - max(heard, busy_at)
 
     def _fail_after_error(self, task: str, message: dict) -> None:
         # A worker whose peer died or froze reports the collective failure first; give the

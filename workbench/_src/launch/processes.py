@@ -98,6 +98,10 @@ class Child:
         """It ended by a signal (the likely culprit when several members ended)."""
         return self.popen.returncode is not None and self.popen.returncode < 0
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the process has used (all its threads), or None when it is gone."""
+        return process_cpu_seconds(self.pid)
+
     def exit_description(self) -> str:
         code = self.popen.returncode
         if code is None:
@@ -238,6 +242,17 @@ def _stop_group(children: list[Child], network, log_dir: Path, grace: float = 2.
         shutil.rmtree(c.tmp_dir, ignore_errors=True)
     if os.environ.get(KEEP_LOGS_ENV) != "1":
         shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of `pid` from /proc (None: gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # fields[0] is the state (field 3 of proc(5)): utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pid_alive(pid: int) -> bool:

@@ -76,6 +76,9 @@ class RayMember:
     def log_tail(self, lines: int = 15) -> str:
         return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
 
+    def cpu_seconds(self) -> float | None:
+        return None  # on another node, maybe: only its heartbeats tell that it is alive
+
 
 class RayMembers:
     """The pool's actors, with the process group's questions (launcher._Watch asks them)."""
