@@ -275,10 +275,12 @@ class _Watch:
                 continue
             silent = now - last
             if self._idle_for(task, now) > timeout:
+                child = self._child(task)
+                idle = " and no CPU time used" if child.cpu_seconds() is not None else ""
                 self._raise(
-                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
-                    f"{silent:.0f} s and no CPU time used (frozen, stopped or starved){self._at_step()}; "
-                    "every process of the run was stopped.",
+                    f"{_label(task)} ({child.where}) stopped responding: no heartbeat for {silent:.0f} s"
+                    f"{idle} (frozen, stopped or starved){self._at_step()}; every process of the run "
+                    "was stopped.",
                     task,
                 )
             if silent > BUSY_SILENCE_LIMIT * timeout:
