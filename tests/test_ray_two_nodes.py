@@ -62,7 +62,7 @@ print("CUT " + json.dumps({"error": error, "seconds": time.monotonic() - cut, "s
 class RayNodes:
     """`ray start` on each of the two hosts, with a token; ended with the hosts (TwoHosts.close)."""
 
-    def __init__(self, hosts: TwoHosts, log_dir: Path):
+    def __init__(self, hosts: TwoHosts):
         self.hosts = hosts
         self.head = f"{hosts.addresses[0]}:6379"
         self.env = {
@@ -73,13 +73,15 @@ class RayNodes:
         # Ray's files of its own (not the machine's /tmp/ray, which other clusters may use); short,
         # as its Unix socket paths must stay under 108 bytes.
         self.temp_dirs = [tempfile.mkdtemp(prefix="wbray", dir="/tmp") for _ in range(2)]
+
+    def start(self, log_dir: Path) -> None:
         ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", "--num-cpus=1"]
         self._start(
             0,
             [
                 *ray,
                 "--head",
-                f"--node-ip-address={hosts.addresses[0]}",
+                f"--node-ip-address={self.hosts.addresses[0]}",
                 "--port=6379",
                 "--include-dashboard=false",
                 f"--temp-dir={self.temp_dirs[0]}",
@@ -91,7 +93,7 @@ class RayNodes:
             [
                 *ray,
                 f"--address={self.head}",
-                f"--node-ip-address={hosts.addresses[1]}",
+                f"--node-ip-address={self.hosts.addresses[1]}",
                 f"--temp-dir={self.temp_dirs[1]}",
             ],
             log_dir / "ray-node.log",
@@ -113,14 +115,13 @@ class RayNodes:
 @pytest.fixture
 def two_nodes(tmp_path):
     hosts = TwoHosts()
-    nodes = None
+    nodes = RayNodes(hosts)
     try:
-        nodes = RayNodes(hosts, tmp_path)
+        nodes.start(tmp_path)
         yield hosts, nodes
     finally:
         hosts.close()  # every process of both namespaces, by pid: Ray's daemons and actors
-        if nodes is not None:
-            nodes.close()
+        nodes.close()  # (also after a failed start: Ray's 30-s limit for a node, under load, left two)
 
 
 def _pid_in(hosts: TwoHosts, pid: int) -> bool:
