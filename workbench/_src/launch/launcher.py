@@ -275,10 +275,10 @@ class _Watch:
                 continue
             silent = now - last
             if self._idle_for(task, now) > timeout:
-                child = self._child(task)
-                idle = " and no CPU time used" if child.cpu_seconds() is not None else ""
+                idle = " and no CPU time used" if task in self.cpu_seen else ""  # (where measured)
                 self._raise(
-                    f"{_label(task)} ({child.where}) stopped responding: no heartbeat for {silent:.0f} s"
+                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
+                    f"{silent:.0f} s"
                     f"{idle} (frozen, stopped or starved){self._at_step()}; every process of the run "
                     "was stopped.",
                     task,

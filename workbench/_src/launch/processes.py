@@ -244,24 +244,28 @@ def _stop_group(children: list[Child], network, log_dir: Path, grace: float = 2.
         shutil.rmtree(log_dir, ignore_errors=True)
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time of `pid` from /proc (None: gone, or no /proc)."""
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command's name: [state (field 3 of proc(5)), ppid, ...]; [] when
+    the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
+        return []
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of `pid` (all its threads; None: gone)."""
+    fields = _stat_fields(pid)
+    if not fields:
         return None
-    # fields[0] is the state (field 3 of proc(5)): utime and stime are fields 14 and 15
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: 14, 15
 
 
 def pid_alive(pid: int) -> bool:
     """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def remove_own_tmp_dir() -> None:
