@@ -162,7 +162,7 @@ class _Watch:
         self.tasks = [t.name for t in pool.tasks]
         self.chief = self.tasks[0]
         self.heard: dict[str, float] = {}
-        self.cpu_seen: dict[str, tuple[float, float, float]] = {}  # task -> (at, CPU s, busy at)
+        self.cpu_seen: dict[str, tuple[float, float | None]] = {}  # task -> (last sign of life, CPU s then)
         self.ready: set[str] = set()
         self.results: dict = {}
         self.stop_sent = False
@@ -275,12 +275,12 @@ class _Watch:
                 continue
             silent = now - last
             if self._idle_for(task, now) > timeout:
-                idle = " and no CPU time used" if task in self.cpu_seen else ""  # (where measured)
+                measured = self.cpu_seen.get(task, (0, None))[1] is not None
+                idle = " and almost no CPU time used" if measured else ""
                 self._raise(
                     f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
-                    f"{silent:.0f} s"
-                    f"{idle} (frozen, stopped or starved){self._at_step()}; every process of the run "
-                    "was stopped.",
+                    f"{silent:.0f} s{idle} (frozen, stopped or starved){self._at_step()}; every process "
+                    "of the run was stopped.",
                     task,
                 )
             if silent > BUSY_SILENCE_LIMIT * timeout:
@@ -307,21 +307,22 @@ class _Watch:
 
     def _idle_for(self, task: str, now: float) -> float:
         """Seconds since `task` last showed it is alive: a message from it, or CPU time it used
-        (BUSY_CPU_SHARE of a core, over windows of a second or more) while its heartbeats were
-        late. A process whose CPU time cannot be read (a Ray member) has its messages only."""
+        while its heartbeats were late (BUSY_CPU_SHARE of a core since the last sign, asked
+        when the silence reaches the timeout). A process whose CPU time cannot be read (a Ray
+        member) has its messages only."""
         heard = self.heard[task]
-        if now - heard < 1.0:
-            self.cpu_seen.pop(task, None)
+        mark = self.cpu_seen.get(task)
+        if mark is None or mark[0] < heard:  # a message since the last look: its CPU time now
+            self.cpu_seen[task] = (now, self._child(task).cpu_seconds())
             return now - heard
+        since, cpu_then = mark
+        if cpu_then is None or now - since <= self.launcher.heartbeat_timeout:
+            return now - since
         cpu = self._child(task).cpu_seconds()
-        if cpu is None:
-            return now - heard
-        at, used, busy_at = self.cpu_seen.setdefault(task, (now, cpu, heard))
-        if now - at >= 1.0:
-            if cpu - used >= BUSY_CPU_SHARE * (now - at):
-                busy_at = now
-            self.cpu_seen[task] = (now, cpu, busy_at)
-        return now - max(heard, busy_at)
+        if cpu is not None and cpu - cpu_then >= BUSY_CPU_SHARE * (now - since):
+            self.cpu_seen[task] = (now, cpu)  # busy: the silence counts from now
+            return 0.0
+        return now - since
 
     def _fail_after_error(self, task: str, message: dict) -> None:
         # A worker whose peer died or froze reports the collective failure first; give the
