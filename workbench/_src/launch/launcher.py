@@ -29,7 +29,7 @@ from workbench._src.launch import shipping
 # heartbeat thread cannot run while another thread holds Python's GIL in one long C call (a
 # regular expression, a large json or pickle load, building a big graph), and a busy machine
 # delays it too. Measured: a worker holding the GIL, busy, for 15 s was declared frozen after 10.
-# A frozen (SIGSTOP) or hung process uses next to none; TensorFlow's idle threads well under 5%.
+# A frozen (SIGSTOP) process uses none (the 5% share below is a bound chosen, not measured).
 BUSY_CPU_SHARE = 0.05  # a silent process using at least this share of one core is busy
 BUSY_SILENCE_LIMIT = 6  # ... for at most this many heartbeat timeouts (a GIL held for good)
 
