@@ -26,9 +26,11 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from workbench._src.launch.processes import (
     KEEP_LOGS_ENV,
+    LAUNCHER_PID_ENV,
     LOG_DIR_ENV,
     TASK_ENV,
     ProcessGroup,
+    pid_alive,
     remove_own_tmp_dir,
 )
 
@@ -248,7 +250,7 @@ class ParentLink(LinkInbox):
 
 
 _left_behind_by_parent: list[str] = []  # the parent's folders, removed here if it dies first
-_parent_pid = os.getppid()  # a different parent later means ours died (we were reparented)
+_parent_pid = 0  # the launcher, whose death we outlive by no more than a moment (set below)
 
 
 def exit_when_parent_dies() -> None:
@@ -258,6 +260,11 @@ def exit_when_parent_dies() -> None:
     children remove what it left, the group's log folder and the channel's socket folder, and
     their own temp folders.
     """
+
+    global _parent_pid
+    # Our parent, unless a fork server forked us for it (fork_server.py): then the launcher that
+    # asked, whose pid the group put in our environment.
+    _parent_pid = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
 
     def watch():
         with contextlib.suppress(Exception):
@@ -277,7 +284,7 @@ def _clean_up_if_orphaned() -> None:
     to get there. A live parent closes neither while we run, so the wait is only paid in the
     unexpected case of a broken channel."""
     deadline = time.monotonic() + 10.0
-    while os.getppid() == _parent_pid:
+    while pid_alive(_parent_pid):  # (a dead parent not yet reaped is a zombie: not alive)
         if time.monotonic() > deadline:
             return
         time.sleep(0.02)

@@ -73,6 +73,11 @@ class PrivateNetwork:
         wrapper = [sys.executable, "-I", "-S", os.path.abspath(__file__), "join", str(user), str(net), "--"]
         return wrapper + list(argv), tuple(fd for fd in (user, net) if fd >= 0)
 
+    def namespace_fds(self) -> dict[str, int]:
+        """The descriptors ("user", "net") of the namespaces made for the children ({} when they
+        stay where this process is: host network, or inherited)."""
+        return dict(self._fds)
+
     def env(self) -> dict[str, str]:
         # Children of a group that is not isolated stay in the host network too, and so do the
         # groups they make: a coordinator must share its servers' network.
@@ -313,15 +318,22 @@ def _loopback_up() -> None:
         fcntl.ioctl(s.fileno(), siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
 
 
-def _join(user_fd: int, net_fd: int, argv: list[str]) -> None:
+def enter(user_fd: int, net_fd: int) -> None:
+    """Moves this (single-threaded) process into the namespaces of the two descriptors (-1: that
+    one stays), closing them; also a fork server's child's way in (fork_server.py)."""
     libc = _libc()
-    if user_fd >= 0:
-        # Joining the user namespace first gives the rights (in it) to join its network.
-        if os.fstat(user_fd).st_ino != os.stat("/proc/self/ns/user").st_ino:
-            _call(libc, "setns", user_fd, _CLONE_NEWUSER)
-        os.close(user_fd)
-    _call(libc, "setns", net_fd, _CLONE_NEWNET)
-    os.close(net_fd)
+    for fd, kind, flag in ((user_fd, "user", _CLONE_NEWUSER), (net_fd, "net", _CLONE_NEWNET)):
+        # The user namespace first: it gives the rights (in it) to join its network. Joining the
+        # namespace we are already in is refused for a user namespace: skipped.
+        if fd < 0:
+            continue
+        if os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino:
+            _call(libc, "setns", fd, flag)
+        os.close(fd)
+
+
+def _join(user_fd: int, net_fd: int, argv: list[str]) -> None:
+    enter(user_fd, net_fd)
     os.execv(argv[0], argv)
 
 
