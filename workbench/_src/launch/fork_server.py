@@ -87,11 +87,9 @@ class ForkedProcess:
             if self.returncode is None and self._status_fd >= 0:
                 if select.select([self._status_fd], [], [], 0)[0]:
                     self._read_status()
-            if self.returncode is None and self._status_fd < 0:
-                from workbench._src.launch.processes import pid_alive
-
-                if not pid_alive(self.pid):  # the fork server died first: the status is lost
-                    self.returncode, self.status_lost = STATUS_LOST, True
+            if self.returncode is None and self._status_fd < 0 and not _exists(self.pid):
+                # The fork server died first (its children went to init, which reaped this one).
+                self.returncode, self.status_lost = STATUS_LOST, True
             return self.returncode
 
     def _read_status(self) -> None:
@@ -121,6 +119,16 @@ class ForkedProcess:
         if self._status_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._status_fd)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class _Server:
@@ -492,10 +500,8 @@ def _become(request: dict, stdin_r: int, log_fd: int, namespaces: dict[str, int]
 
         traceback.print_exc()
     finally:
-        with contextlib.suppress(Exception):
-            import atexit as _atexit
-
-            _atexit._run_exitfuncs()
+        # No interpreter exit (atexit, finalizers): the worker and server modules end with
+        # os._exit themselves, and a fork of the server must not run the server's exit hooks.
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()

@@ -14,7 +14,8 @@ descriptors, which keep the namespace alive, and the anchor exits. Each child is
 through `python -I netns.py join USER_FD NET_FD -- python -m module`, which `setns()`s into both
 and `exec`s the real command (same pid, same session, same pipes). A wrapper rather than a
 `preexec_fn`: preexec_fn is unsafe in a threaded parent (a notebook kernel is), and a
-fresh interpreter is single-threaded, as `setns(CLONE_NEWUSER)` requires. When already root,
+fresh interpreter is single-threaded, as `setns(CLONE_NEWUSER)` requires. A child forked by the
+fork server (fork_server.py) is single-threaded too, and calls the same `enter()` itself. When already root,
 `CLONE_NEWNET` alone is tried first: a user namespace would take away root's rights over files
 owned by other users.
 

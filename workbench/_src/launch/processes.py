@@ -1,9 +1,11 @@
 """Local processes for the process backends: started, watched, and always stopped.
 
 ProcessGroup starts `python -m <module>` children in their own sessions (a Jupyter interrupt
-goes to the kernel, not to them), keeps their logs, notices deaths, and stops them all with
-SIGTERM then SIGKILL (MultiWorkerMirroredStrategy ignores SIGTERM). Every live group is stopped
-at interpreter exit and when its owner is garbage collected. A child also exits by itself when
+goes to the kernel, not to them): the workbench's worker and server modules as forks of a
+fork server that has imported TensorFlow already (fork_server.py), anything else as a fresh
+interpreter. It keeps their logs, notices deaths, and stops them all with SIGTERM then SIGKILL
+(MultiWorkerMirroredStrategy ignores SIGTERM). Every live group is stopped at interpreter exit
+and when its owner is garbage collected. A child also exits by itself when
 its parent dies: it watches its stdin pipe, which the parent holds open, and EOF means the parent
 is gone (PR_SET_PDEATHSIG would be simpler but fires when the *thread* that started the child
 ends, and background runs start children from threads).
@@ -107,6 +109,8 @@ class Child:
         code = self.popen.returncode
         if code is None:
             return "still running"
+        if getattr(self.popen, "status_lost", False):
+            return "ended (how is not known: the fork server that started it had died)"
         if code < 0:
             try:
                 return f"killed by {signal.Signals(-code).name}"
