@@ -30,6 +30,7 @@ it) falls back to that too.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -55,7 +56,15 @@ _MAX_MESSAGE = 1 << 20
 # the strategy is made) and CUDA_VISIBLE_DEVICES (read when CUDA starts, at the first device
 # listing, which the fork server never makes).
 _IMPORT_TIME_PREFIXES = ("TF_", "XLA_", "CUDA", "LD_", "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "KERAS")
-_IMPORT_TIME_EXEMPT = ("TF_CONFIG", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED")
+# TensorFlow's own import sets the two KMP_ variables (for Intel's OpenMP): a launcher that has
+# imported it has them, a fork server started before that has them too once it has imported.
+_IMPORT_TIME_EXEMPT = (
+    "TF_CONFIG",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONUNBUFFERED",
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+)
 
 
 def import_time_environment(env) -> str:
@@ -165,6 +174,17 @@ def enabled() -> bool:
 
     off = os.environ.get(FORK_SERVER_ENV, "").strip().lower() in ("off", "0", "false", "no")
     return not off and not tf_logs_wanted()
+
+
+def prestart() -> None:
+    """Starts this process's fork server in the background, so that its TensorFlow import runs
+    while this process imports its own (`workbench run` calls it before it runs the file); the
+    first start_process then waits for it only as long as it is not ready."""
+    if not enabled():
+        return
+    env = {**os.environ}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as ProcessGroup.start gives its children
+    threading.Thread(target=_server_for, args=(env,), name="workbench fork server start", daemon=True).start()
 
 
 def start_process(
@@ -298,21 +318,37 @@ def _start_server(environment: str) -> _Server | None:
             start_new_session=True,  # an interrupt aimed at the kernel does not reach it
             close_fds=True,
         )
+    # Known (and ended at our exit, its folder removed) from now on, not only once it answers:
+    # a script that fails while the fork server still imports leaves nothing behind either.
+    server = _Server(path, popen, folder, environment)
+    _servers.append(server)
     deadline = time.monotonic() + START_TIMEOUT
     while not os.path.exists(path):
         if popen.poll() is not None or time.monotonic() > deadline:
             why = _tail(log_path) or f"exit code {popen.poll()}"
             _stop(popen, folder)
+            _servers.remove(server)
             _warn_once(f"the fork server did not start ({why})")
             _give_up(why)
             return None
         time.sleep(0.02)
-    server = _Server(path, popen, folder, environment)
-    _servers.append(server)
     return server
 
 
 _servers: list[_Server] = []  # every fork server this process started (each ends at our exit)
+
+
+@atexit.register
+def _end_all_at_exit() -> None:
+    """Reaps our fork servers at exit. Registered when processes.py first imports this module,
+    so it runs after the process groups' and pools' own exit hooks (atexit runs the last
+    registered first): their children are gone, and a fork server whose stdin is closed (here,
+    or earlier by its finalizer) exits at once. Reaped, it is not left to Popen's "still
+    running" warning."""
+    for server in list(_servers):
+        server.end()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.popen.wait(timeout=0.5)
 
 
 def _tail(path: str) -> str:

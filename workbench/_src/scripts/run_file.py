@@ -57,6 +57,10 @@ def run_file(args) -> int:
             and serve_task.is_server_task(args.cluster)
         ):
             return serve_task.serve(args.cluster, args.startup_timeout)  # ps/worker: only the chief runs FILE
+        if backend.in_processes and not args.cluster:
+            from workbench._src.launch import fork_server
+
+            fork_server.prestart()  # its TensorFlow import runs beside this process's own
         repl = _make_replicator(args)
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         options = {
