@@ -6,6 +6,7 @@ the launcher. The process-backend tests run every cluster through it."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -133,3 +134,22 @@ def test_nothing_outlives_the_launcher(tmp_path):
     assert not left, f"still running after the launcher exited: {left}"
     assert not os.path.exists(started["folder"])
     assert done.stderr == ""
+
+
+def test_a_malformed_request_is_dropped_and_the_fork_server_serves_on():
+    group = ProcessGroup("fork-probe", private_network=False)
+    try:
+        first, second = free_ports(2)
+        env = {"WORKBENCH_CLUSTER": json.dumps({"worker": [f"127.0.0.1:{first}", f"127.0.0.1:{second}"]})}
+        group.start("worker", 0, SERVER, env)  # (the fork server is up)
+        server = fork_server._server
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.connect(server.path)
+            s.send(b"not json")
+            assert s.recv(100) == b""  # no answer: the client would start a fresh interpreter
+        assert server.popen.poll() is None
+        child = group.start("worker", 1, SERVER, env)
+        assert isinstance(child.popen, fork_server.ForkedProcess)
+        _wait_listening(group, second)
+    finally:
+        group.stop()

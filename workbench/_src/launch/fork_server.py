@@ -403,8 +403,7 @@ def _serve(path: str) -> None:
     listening = True
     while listening or status_fds:
         watched = [wake_r] + ([listener, sys.stdin.fileno()] if listening else [])
-        with contextlib.suppress(InterruptedError):
-            readable = select.select(watched, [], [])[0]
+        readable = select.select(watched, [], [])[0]  # (a signal's EINTR is retried by Python)
         if wake_r in readable:
             with contextlib.suppress(BlockingIOError, OSError):
                 os.read(wake_r, 4096)
@@ -415,7 +414,9 @@ def _serve(path: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         elif listening and listener in readable:
-            with contextlib.suppress(OSError):
+            # A request that cannot be read or answered (its client gone, a malformed message)
+            # is dropped: the client falls back to a fresh interpreter; the server serves on.
+            with contextlib.suppress(Exception):
                 conn, _ = listener.accept()
                 with conn:
                     _answer(conn, environment, state)
