@@ -15,9 +15,9 @@ through `python -I netns.py join USER_FD NET_FD -- python -m module`, which `set
 and `exec`s the real command (same pid, same session, same pipes). A wrapper rather than a
 `preexec_fn`: preexec_fn is unsafe in a threaded parent (a notebook kernel is), and a
 fresh interpreter is single-threaded, as `setns(CLONE_NEWUSER)` requires. A child forked by the
-fork server (fork_server.py) is single-threaded too, and calls the same `enter()` itself. When already root,
-`CLONE_NEWNET` alone is tried first: a user namespace would take away root's rights over files
-owned by other users.
+fork server (fork_server.py) is single-threaded too, and calls the same `enter()` itself. When
+already root, `CLONE_NEWNET` alone is tried first: a user namespace would take away root's rights
+over files owned by other users.
 
 A process inside such a network carries PRIVATE_NETWORK_ENV (the namespace's id); a process group
 started there (the async-ps coordinator starting its servers) makes no namespace of its own: its

@@ -5,10 +5,10 @@ goes to the kernel, not to them): the workbench's worker and server modules as f
 fork server that has imported TensorFlow already (fork_server.py), anything else as a fresh
 interpreter. It keeps their logs, notices deaths, and stops them all with SIGTERM then SIGKILL
 (MultiWorkerMirroredStrategy ignores SIGTERM). Every live group is stopped at interpreter exit
-and when its owner is garbage collected. A child also exits by itself when
-its parent dies: it watches its stdin pipe, which the parent holds open, and EOF means the parent
-is gone (PR_SET_PDEATHSIG would be simpler but fires when the *thread* that started the child
-ends, and background runs start children from threads).
+and when its owner is garbage collected. A child also exits by itself when its parent dies: it
+watches its stdin pipe, which the parent holds open, and EOF means the parent is gone
+(PR_SET_PDEATHSIG would be simpler but fires when the *thread* that started the child ends, and
+background runs start children from threads).
 
 With `private_network=True` (the default) all children share one network namespace holding only
 a loopback device (netns.py): TensorFlow's gRPC servers, which bind every interface, are then
