@@ -326,7 +326,11 @@ def _start_server(environment: str) -> _Server | None:
     while not os.path.exists(path):
         if popen.poll() is not None or time.monotonic() > deadline:
             why = _tail(log_path) or f"exit code {popen.poll()}"
-            _stop(popen, folder)
+            server.end()
+            with contextlib.suppress(ProcessLookupError):
+                popen.kill()  # (past the timeout it may still be importing)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout=5)
             _servers.remove(server)
             _warn_once(f"the fork server did not start ({why})")
             _give_up(why)
@@ -368,20 +372,6 @@ def _warn_once(text: str) -> None:
     )
 
 
-def _stop(popen, folder: str | None) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        popen.stdin.close()
-    if popen.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            popen.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            popen.wait(timeout=5)
-    if folder:
-        import shutil
-
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 # ----- the fork server's side ----------------------------------------------------------------
 
 
@@ -399,7 +389,7 @@ def _serve(path: str) -> None:
     listener.listen(16)
     os.rename(path + ".new", path)  # the path appears only when the server answers
     status_fds: dict[int, int] = {}  # child pid -> where its exit status goes
-    state = {"listener": listener, "wake": (wake_r, wake_w), "status_fds": status_fds}
+    state = {"listener": listener, "status_fds": status_fds}
     listening = True
     while listening or status_fds:
         watched = [wake_r] + ([listener, sys.stdin.fileno()] if listening else [])
