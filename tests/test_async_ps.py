@@ -233,3 +233,37 @@ def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
     assert not _worker_lost_with(with_worker.replace("/job:worker/", "/job:ps/"))
     assert not _worker_lost_with(with_worker + " and /job:ps/replica:0/task:0/device:CPU:0")
     assert not _worker_lost_with("UNAVAILABLE: Socket closed")  # no task named: not ours to guess
+
+
+def test_the_coordinators_executor_scope_sets_and_restores_the_threads_executor_as_tensorflows_does():
+    """async-ps replaces TensorFlow's `executor_scope` (backends/executor_scope.py: leaving it no
+    longer waits for the default executor, which held every worker's closures while one worker was
+    cut off). What TensorFlow's scope does must still happen: ops inside run on the given executor,
+    the thread's own executor is back after it, and a second install changes nothing."""
+    import subprocess
+    import sys
+
+    code = """
+import tensorflow as tf
+from tensorflow.python.eager import context, executor
+from workbench._src.backends import executor_scope
+original = context.executor_scope
+executor_scope.install()
+replacement = context.executor_scope
+executor_scope.install()
+assert context.executor_scope is replacement is not original
+private = executor.new_executor(enable_async=True)
+assert not context.context().executor.is_async()
+with context.executor_scope(private):
+    assert context.context().executor.is_async()
+    x = tf.constant(20.0) + 1.0
+    with context.executor_scope(executor.new_executor(enable_async=False)):
+        assert not context.context().executor.is_async()
+    assert context.context().executor.is_async()
+private.wait()
+assert not context.context().executor.is_async()
+print("value", float(x) * 2)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["value", "42.0"]

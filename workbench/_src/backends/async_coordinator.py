@@ -16,8 +16,11 @@ from workbench._src.core.inputs import InputContext, call_input_fn
 from workbench._src.core.program import Program, _is_infinite, call_compiled
 from workbench._src.core.tf_setup import tf
 
-LOST_CHUNK_GRACE = 3.0  # seconds a chunk may still come back after its worker is declared lost
-STOP_GRACE = 3.0  # seconds a chunk may still come back once a stop is asked for
+# Seconds the chunks in flight when a worker is declared lost may still come back: those on the
+# other workers are done by then (a chunk is ~CHUNK_SECONDS), those on the lost one never are.
+LOST_CHUNK_GRACE = 1.0
+STOP_GRACE = 3.0  # seconds the chunks in flight may still come back once a stop is asked for
+FETCH_FLOOR = 0.25  # seconds any chunk is waited for past a grace: a finished one comes back
 
 
 class AsyncProgram(Program):
@@ -101,14 +104,15 @@ class CoordinatorExecutor:
         return k, stop
 
     def submit(self, k: int):
-        return self.program.schedule(k)
+        return self.program.schedule(k), time.monotonic()  # (when: see _abandon)
 
-    def collect(self, remote):
+    def collect(self, handle):
         """(rows, steps done) of a scheduled chunk, or None when it was lost with a dead worker.
 
         The fetch blocks in TensorFlow (for as long as a worker is missing), so it runs on a
         daemon thread while this one watches the servers: a dead parameter server, or no worker
         left, ends the run within a fraction of a second instead of never."""
+        remote, submitted = handle
         box: dict = {}
         fetched = threading.Event()
 
@@ -124,7 +128,7 @@ class CoordinatorExecutor:
         waiting_since = time.monotonic()
         while not fetched.wait(0.1):
             self._check_servers()
-            if self._abandon(waiting_since):
+            if self._abandon(submitted, waiting_since):
                 return None  # (TensorFlow may still run it, later: execution is at-least-once)
         # And once per chunk however fast it returned: a worker that died while every fetch
         # came back within the poll (the coordinator re-ran its closures elsewhere) is still
@@ -144,17 +148,22 @@ class CoordinatorExecutor:
             gc.collect()
         return np.asarray(rows)[:done], done
 
-    def _abandon(self, waiting_since: float) -> bool:
+    def _abandon(self, submitted: float, waiting_since: float) -> bool:
         """True when the chunk being waited for will not come back in time: it is on a worker
         declared lost (it is still waiting LOST_CHUNK_GRACE s after the declaration, while the
         other workers' chunks take milliseconds), or a stop was asked for and it has not come
-        back within STOP_GRACE s (Ctrl-C ends the run in seconds even while a worker is cut)."""
+        back within STOP_GRACE s of it (Ctrl-C ends the run in seconds even while a worker is cut).
+
+        Each grace is one for all the chunks in flight at the event, not one each: a cut-off
+        worker holds every chunk it ran whose result was not yet fetched from it, and a grace
+        apiece added up to 12 s (Ctrl-C) or stalled the run for 9 s (a loss). Past it, a chunk
+        still gets FETCH_FLOOR s: a healthy worker's finished chunk comes back in milliseconds."""
         now = time.monotonic()
         run = self.run
         if run is not None and run.stop_requested:
             if self._stop_seen is None:
                 self._stop_seen = now
-            if now - max(self._stop_seen, waiting_since) >= STOP_GRACE:
+            if now - self._stop_seen >= STOP_GRACE and now - waiting_since >= FETCH_FLOOR:
                 if not self._left_behind:  # (said once, however many chunks are left)
                     self._left_behind = True
                     run.publish(
@@ -166,7 +175,11 @@ class CoordinatorExecutor:
         if self.watch is None:
             return False  # (its changes were said by _check_servers, just before)
         lost_at = self.watch.latest_loss()
-        return lost_at is not None and now - max(lost_at, waiting_since) >= LOST_CHUNK_GRACE
+        if lost_at is None:
+            return False
+        if submitted < lost_at:  # (it may be one of those on the lost worker)
+            return now - lost_at >= LOST_CHUNK_GRACE and now - waiting_since >= FETCH_FLOOR
+        return now - waiting_since >= LOST_CHUNK_GRACE
 
     def _say_worker_changes(self) -> None:
         watch, run = self.watch, self.run
