@@ -236,7 +236,7 @@ def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
 
 
 def test_the_coordinators_executor_scope_sets_and_restores_the_threads_executor_as_tensorflows_does():
-    """async-ps replaces TensorFlow's `executor_scope` (backends/executor_scope.py: leaving it no
+    """async-ps replaces TensorFlow's `executor_scope` (compat.py: leaving it no
     longer waits for the default executor, which held every worker's closures while one worker was
     cut off). What TensorFlow's scope does must still happen: ops inside run on the given executor,
     the thread's own executor is back after it, and a second install changes nothing."""
@@ -246,11 +246,11 @@ def test_the_coordinators_executor_scope_sets_and_restores_the_threads_executor_
     code = """
 import tensorflow as tf
 from tensorflow.python.eager import context, executor
-from workbench._src.backends import executor_scope
+from workbench._src import compat
 original = context.executor_scope
-executor_scope.install()
+compat.replace_executor_scope_with_one_that_does_not_wait()
 replacement = context.executor_scope
-executor_scope.install()
+compat.replace_executor_scope_with_one_that_does_not_wait()
 assert context.executor_scope is replacement is not original
 private = executor.new_executor(enable_async=True)
 assert not context.context().executor.is_async()

@@ -130,3 +130,49 @@ def keras_apply_owner():
 
     owner = next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in c.__dict__)
     return owner, owner.__dict__["apply"]
+
+
+_executor_scope_replaced = False
+
+
+def replace_executor_scope_with_one_that_does_not_wait() -> None:
+    """TensorFlow: replaces `context.executor_scope` (tensorflow/python/eager/context.py) with one
+    that sets and restores the thread's executor as TensorFlow's does, and frees the wrapper of
+    the thread's previous executor without waiting. Idempotent; called when an async-ps
+    coordinator connects (backends/async_ps.py).
+
+    Why: TensorFlow's scope keeps the previous executor as a fresh Python wrapper of the context's
+    *default* executor, and deleting it (`Executor.__del__`) waits for every node pending there.
+    The ClusterCoordinator leaves that scope after each closure, so worker 0's thread waited on
+    an RPC to a cut-off worker 1 (a remote-handle release that finished only after the cut
+    healed; py-spy showed the wait): the whole run stalled with worker 0 healthy. A wrapper the
+    context lends owns nothing (`TFE_DeleteExecutor` frees only the wrapper). No public API
+    changes the scope. Checked on 2.21.0. Remove when TensorFlow's scope stops waiting."""
+    global _executor_scope_replaced
+    if _executor_scope_replaced:
+        return
+    import contextlib
+
+    from tensorflow.python import pywrap_tfe
+    from tensorflow.python.eager import context
+
+    get = pywrap_tfe.TFE_ContextGetExecutorForThread
+    set_ = pywrap_tfe.TFE_ContextSetExecutorForThread
+    delete = pywrap_tfe.TFE_DeleteExecutor
+
+    @contextlib.contextmanager
+    def executor_scope(e):
+        ctx = context.context()
+        ctx.ensure_initialized()
+        handle = ctx._context_handle  # what TensorFlow's own scope passes
+        previous = get(handle)
+        try:
+            set_(handle, e.handle())
+            yield
+        finally:
+            set_(handle, previous)
+            delete(previous)  # the borrowed wrapper only: no wait for the default executor
+
+    executor_scope.__doc__ = context.executor_scope.__doc__
+    context.executor_scope = executor_scope
+    _executor_scope_replaced = True

@@ -33,7 +33,7 @@ import gc
 import logging
 import weakref
 
-from workbench._src.backends import executor_scope
+from workbench._src import compat
 from workbench._src.backends.async_coordinator import AsyncProgram, CoordinatorExecutor
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.backends.worker_watch import DEFAULT_WORKER_TIMEOUT
@@ -242,7 +242,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
             previous.shutdown(reason="another async-ps replicator connected")
         strategy = t.distribute.ParameterServerStrategy(self._resolver())
         self.coordinator = t.distribute.coordinator.ClusterCoordinator(strategy)
-        executor_scope.install()  # one silent worker no longer holds every worker's closures
+        compat.replace_executor_scope_with_one_that_does_not_wait()  # (one silent worker held all)
         if not tf_setup.tf_logs_wanted():
             logging.getLogger("tensorflow").addFilter(_worker_failures_said_by_the_run)
         with strategy.scope():

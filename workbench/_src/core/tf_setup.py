@@ -44,6 +44,13 @@ def tf_logs_wanted() -> bool:
     return os.environ.get(TF_LOGS_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+def hold_back_cpp_logs(env) -> None:
+    """TF_CPP_MIN_LOG_LEVEL=2 in `env` (os.environ, or a child's) unless one is set already (the
+    user's is kept): TensorFlow's C++ INFO and WARNING lines held back. TensorFlow reads it at
+    import, so the fork server's value must be its children's (launch/fork_server.py)."""
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
 def _import_tensorflow():
     global _module
     if tf_logs_wanted():
@@ -53,7 +60,7 @@ def _import_tensorflow():
         _module = tensorflow
         return tensorflow
     # Before TensorFlow is imported, or it has no effect; a value the user set is kept.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    hold_back_cpp_logs(os.environ)
     import logging
 
     with _start_up_noise_hidden():
@@ -173,7 +180,7 @@ class _HeldLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        hold_back_cpp_logs(os.environ)
         with _start_up_noise_hidden():
             self._loader.exec_module(module)
 

@@ -19,18 +19,17 @@ import shutil
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
+from workbench._src.launch.proc import pid_alive, socket_folder
 from workbench._src.launch.processes import (
     KEEP_LOGS_ENV,
     LAUNCHER_PID_ENV,
     LOG_DIR_ENV,
     TASK_ENV,
     ProcessGroup,
-    pid_alive,
     remove_own_tmp_dir,
 )
 
@@ -45,10 +44,7 @@ class Channel:
     def __init__(self, group: ProcessGroup):
         self.group = group
         self.key = secrets.token_bytes(32)
-        # mkdtemp makes the folder 0700: only this user may even reach the socket. /tmp when
-        # TMPDIR is so long that the path would pass the 107-byte limit of a socket address.
-        base = None if len(tempfile.gettempdir()) < 60 else "/tmp"
-        self.folder = tempfile.mkdtemp(prefix="workbench-channel-", dir=base)
+        self.folder = socket_folder("workbench-channel-")  # only this user may reach the socket
         self.address = os.path.join(self.folder, "channel.sock")  # a path (was: a (host, port))
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self.key)
         self.messages: queue.Queue = queue.Queue()  # (task, message dict)

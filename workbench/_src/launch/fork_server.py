@@ -45,6 +45,9 @@ import threading
 import time
 import weakref
 
+from workbench._src.core import tf_setup
+from workbench._src.launch.proc import pid_alive, socket_folder
+
 FORK_SERVER_ENV = "WORKBENCH_FORK_SERVER"  # the socket's path; "off": no fork server
 FORKED_MODULES = ("workbench._src.launch.worker_main", "workbench._src.launch.server_main")
 START_TIMEOUT = 120.0  # s for the fork server's own import on a busy machine; past it, no fork server
@@ -96,7 +99,7 @@ class ForkedProcess:
             if self.returncode is None and self._status_fd >= 0:
                 if select.select([self._status_fd], [], [], 0)[0]:
                     self._read_status()
-            if self.returncode is None and self._status_fd < 0 and not _exists(self.pid):
+            if self.returncode is None and self._status_fd < 0 and not pid_alive(self.pid):
                 # The fork server died first (its children went to init, which reaped this one).
                 self.returncode, self.status_lost = STATUS_LOST, True
             return self.returncode
@@ -130,16 +133,6 @@ class ForkedProcess:
                 os.close(self._status_fd)
 
 
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class _Server:
     """This process's own fork server (or the one it inherited): where to ask, and its process."""
 
@@ -170,10 +163,8 @@ _unusable = ""  # why this process has no fork server ("" until one failed to st
 def enabled() -> bool:
     """Off by WORKBENCH_FORK_SERVER=off, and when TensorFlow's start-up logs are wanted
     (WORKBENCH_TF_LOGS=1): each process then imports TensorFlow itself and logs it in its own log."""
-    from workbench._src.core.tf_setup import tf_logs_wanted
-
     off = os.environ.get(FORK_SERVER_ENV, "").strip().lower() in ("off", "0", "false", "no")
-    return not off and not tf_logs_wanted()
+    return not off and not tf_setup.tf_logs_wanted()
 
 
 def prestart() -> None:
@@ -183,7 +174,7 @@ def prestart() -> None:
     if not enabled():
         return
     env = {**os.environ}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # as ProcessGroup.start gives its children
+    tf_setup.hold_back_cpp_logs(env)  # as ProcessGroup.start gives its children
     threading.Thread(target=_server_for, args=(env,), name="workbench fork server start", daemon=True).start()
 
 
@@ -300,13 +291,11 @@ def _server_for(env: dict) -> _Server | None:
 
 
 def _start_server(environment: str) -> _Server | None:
-    # A short folder: a Unix socket's path must fit in 107 bytes.
-    base = None if len(tempfile.gettempdir()) < 60 else "/tmp"
-    folder = tempfile.mkdtemp(prefix="workbench-fork-server-", dir=base)
+    folder = socket_folder("workbench-fork-server-")
     path = os.path.join(folder, "fork.sock")
     log_path = os.path.join(folder, "fork-server.log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tf_setup.hold_back_cpp_logs(env)
     env.pop(FORK_SERVER_ENV, None)
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
@@ -425,7 +414,6 @@ def _preload() -> None:
     import cloudpickle  # noqa: F401
 
     import workbench  # noqa: F401
-    from workbench._src.core import tf_setup
 
     with tf_setup.keras_extras_skipped(), tf_setup._start_up_noise_hidden():
         import tensorflow  # noqa: F401

@@ -33,7 +33,8 @@ import time
 
 from workbench._src.launch.channel import Channel
 from workbench._src.launch.pool_common import PoolCommon
-from workbench._src.launch.processes import ProcessGroup, pid_alive
+from workbench._src.launch.proc import pid_alive
+from workbench._src.launch.processes import ProcessGroup
 
 WORKER_MODULE = "workbench._src.launch.worker_main"
 

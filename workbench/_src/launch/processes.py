@@ -39,7 +39,9 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbench._src.core import tf_setup
 from workbench._src.launch import fork_server, netns
+from workbench._src.launch.proc import process_cpu_seconds
 
 LOOPBACK = "127.0.0.1"
 TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
@@ -193,7 +195,7 @@ class ProcessGroup:
             TMP_DIR_ENV: str(tmp_dir),
             "PYTHONUNBUFFERED": "1",
         }
-        child_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        tf_setup.hold_back_cpp_logs(child_env)
         child_env[LAUNCHER_PID_ENV] = str(os.getpid())
         with open(log_path, "wb") as log:
             # The workbench's own modules are forked from a process that has imported TensorFlow
@@ -254,30 +256,6 @@ def _stop_group(children: list[Child], network, log_dir: Path, grace: float = 2.
         shutil.rmtree(c.tmp_dir, ignore_errors=True)
     if os.environ.get(KEEP_LOGS_ENV) != "1":
         shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """/proc/PID/stat after the command's name: [state (field 3 of proc(5)), ppid, ...]; [] when
-    the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time of `pid` (all its threads; None: gone)."""
-    fields = _stat_fields(pid)
-    if not fields:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: 14, 15
-
-
-def pid_alive(pid: int) -> bool:
-    """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
-    fields = _stat_fields(pid)
-    return bool(fields) and fields[0] != "Z"
 
 
 def remove_own_tmp_dir() -> None:

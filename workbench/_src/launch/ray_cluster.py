@@ -238,7 +238,7 @@ def remove_roots_of_dead_owners(base: str) -> list[str]:
     kernel killed by a signal ran no exit hook (nbval and JupyterLab kill kernels that do not
     stop at once), and Ray's processes ended with it, but its folder stayed. A root whose owner
     runs, or whose pid now belongs to another process, is left alone. Returns what it removed."""
-    from workbench._src.launch.processes import pid_alive
+    from workbench._src.launch.proc import pid_alive
 
     removed = []
     for entry in os.listdir(base):
