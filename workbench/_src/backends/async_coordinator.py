@@ -156,8 +156,9 @@ class CoordinatorExecutor:
 
         Each grace is one for all the chunks in flight at the event, not one each: a cut-off
         worker holds every chunk it ran whose result was not yet fetched from it, and a grace
-        apiece added up to 12 s (Ctrl-C) or stalled the run for 9 s (a loss). Past it, a chunk
-        still gets FETCH_FLOOR s: a healthy worker's finished chunk comes back in milliseconds."""
+        apiece added up (Ctrl-C during a cut once took 12 s; after a loss, the run made no step
+        for 3 s per such chunk). Past it, a chunk still gets FETCH_FLOOR s: a healthy worker's
+        finished chunk comes back in milliseconds."""
         now = time.monotonic()
         run = self.run
         if run is not None and run.stop_requested:
