@@ -94,7 +94,31 @@ class Program:
         t = tf()
         strategy = self.replicator.strategy
         if self.infinite_input and self.replicator.spec.local_rows:
-            return self._fused_plain(iterator, n), n
+            # The hand-written loop, with the metric rows summed over replicas once per chunk, not
+            # once per step: each local replica keeps its own rows on its own device, and a single
+            # reduce at the end sums them (under multi-worker, one collective per chunk instead of
+            # one more per step beside the gradients'). Written here, not in a helper method: a
+            # helper is converted by AutoGraph's recursive conversion, which in a kernel under
+            # JupyterLab twice left it unconverted ("Iterating over a symbolic tf.Tensor" at its
+            # loop, not understood); this function's own conversion never failed.
+            devices = strategy.extended.worker_devices  # this process's replicas, in local order
+            tables = []
+            for device in devices:
+                with t.device(device):
+                    tables.append(t.TensorArray(t.float32, size=n))
+            for i in t.range(n):
+                per_replica = strategy.run(self._metrics_step, args=(next(iterator),))
+                local = strategy.experimental_local_results(per_replica)
+                tables = [table.write(i, row) for table, row in zip(tables, local)]
+                self._step_taken()
+            stacks = []
+            for device, table in zip(devices, tables):
+                with t.device(device):
+                    stacks.append(table.stack())
+            rows = strategy.experimental_distribute_values_from_function(
+                lambda ctx: stacks[ctx.replica_id_in_sync_group % len(stacks)]
+            )
+            return strategy.reduce("SUM", rows, axis=None), n
         if self.infinite_input:
             # The loop a TensorFlow expert writes by hand: no end-of-input check in the body.
             rows = t.TensorArray(t.float32, size=n)
@@ -115,32 +139,6 @@ class Program:
             self._step_taken()
             done = i + 1
         return rows.stack(), done
-
-    def _fused_plain(self, iterator, n):
-        """n steps of the hand-written loop; the metric rows are summed over replicas once per
-        chunk, not once per step: each local replica keeps its own rows on its own device, and a
-        single reduce at the end sums them (under multi-worker, one collective per chunk instead
-        of one more per step beside the gradients')."""
-        t = tf()
-        strategy = self.replicator.strategy
-        devices = strategy.extended.worker_devices  # this process's replicas, in local order
-        tables = []
-        for device in devices:
-            with t.device(device):
-                tables.append(t.TensorArray(t.float32, size=n))
-        for i in t.range(n):
-            per_replica = strategy.run(self._metrics_step, args=(next(iterator),))
-            local = strategy.experimental_local_results(per_replica)
-            tables = [table.write(i, row) for table, row in zip(tables, local)]
-            self._step_taken()
-        stacks = []
-        for device, table in zip(devices, tables):
-            with t.device(device):
-                stacks.append(table.stack())
-        rows = strategy.experimental_distribute_values_from_function(
-            lambda ctx: stacks[ctx.replica_id_in_sync_group % len(stacks)]
-        )
-        return strategy.reduce("SUM", rows, axis=None)
 
     def _step_taken(self):
         """Traced once per step of the fused loop; a subclass may count steps here (async-ps does)."""
