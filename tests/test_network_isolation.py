@@ -10,6 +10,7 @@ This file is also the probe the tests start inside the namespace:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -264,6 +265,46 @@ time.sleep(600)
         launcher.wait()
     child.wait(timeout=10)
     assert not os.path.exists(made["logs"]) and not os.path.exists(made["channel"])
+
+
+@pytest.mark.slow
+def test_a_child_outlives_its_dead_launcher_by_seconds_even_when_its_pipe_stays_open():
+    """EOF on the child's stdin needs every copy of the pipe's write end closed. A process forked
+    from the launcher without exec keeps one: the child then goes by the launcher's pid."""
+    import psutil
+
+    script = """
+import json, os, time
+from workbench._src.launch.channel import Channel
+from workbench._src.launch.processes import ProcessGroup
+group = ProcessGroup("launcher with a fork")
+channel = Channel(group)
+child = group.start("worker", 0, "test_network_isolation", channel.env(), ["link"])
+channel.messages.get(timeout=30)
+holder = os.fork()  # holds a copy of every descriptor, the child's stdin pipe among them
+if holder == 0:
+    time.sleep(600)
+    os._exit(0)
+print(json.dumps({"child": child.pid, "holder": holder}), flush=True)
+time.sleep(600)
+"""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, **PROBE_ENV}, stdout=subprocess.PIPE, text=True
+    )
+    made = {}
+    try:
+        made = json.loads(launcher.stdout.readline())
+        child = psutil.Process(made["child"])
+        launcher.kill()
+        launcher.wait()
+        child.wait(timeout=10)  # psutil.TimeoutExpired: the child waited for an EOF that never came
+        assert psutil.pid_exists(made["holder"])  # (the pipe was still open all along)
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if made.get("holder"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(made["holder"], 9)
 
 
 # ----- without root, and where namespaces are refused ---------------------------------------------------

@@ -263,9 +263,17 @@ def exit_when_parent_dies() -> None:
     _parent_pid = int(os.environ.get(LAUNCHER_PID_ENV) or os.getppid())
 
     def watch():
+        # EOF is the usual sign. The launcher's pid is looked at too, every second: EOF needs
+        # every copy of the pipe's write end closed, and a process forked from the launcher without
+        # exec (after the pipe was made) holds one for as long as it lives. One -n 3 suite run
+        # left a child waiting for ever that way, its launcher long dead.
+        import select
+
         with contextlib.suppress(Exception):
-            while sys.stdin.buffer.read(1):
-                pass
+            stdin = sys.stdin.buffer.raw
+            while pid_alive(_parent_pid):
+                if select.select([stdin], [], [], 1.0)[0] and not stdin.read(1):
+                    break  # EOF
         _clean_up_if_orphaned()
         remove_own_tmp_dir()
         os._exit(4)
