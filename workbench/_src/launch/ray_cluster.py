@@ -147,7 +147,7 @@ class RayCluster:
             os.environ["RAY_TMPDIR"] = _private_ray_root(ray)
         try:
             local = {"num_cpus": max(os.cpu_count() or 1, LOCAL_CPUS)} if self.address is None else {}
-            ray.init(
+            init = dict(
                 address=self.address,
                 **local,
                 runtime_env=self.runtime_env,
@@ -156,6 +156,21 @@ class RayCluster:
                 include_dashboard=False if self.address is None else None,
                 configure_logging=True,
             )
+            for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+                try:
+                    ray.init(**init)
+                    break
+                except Exception as error:
+                    if self.address is not None or not _timed_out_at_start(error):
+                        raise
+                    _end_failed_local_start(os.environ["RAY_TMPDIR"])
+                    if attempt == LOCAL_START_ATTEMPTS:
+                        raise ConfigurationError(
+                            f"The local Ray instance did not start: {LOCAL_START_ATTEMPTS} times its raylet "
+                            f"took longer than Ray's fixed 30 s to register ({error}). The machine is too "
+                            "busy for Ray to start. Fix: try again when it is less loaded, or start Ray "
+                            "yourself (`ray start --head`) and use RayCluster(address='auto')."
+                        ) from None
         except ConnectionError as error:
             raise ConfigurationError(
                 f"No Ray cluster answers at address={self.address!r}: {error}. Fix: start one "
@@ -197,6 +212,42 @@ class RayCluster:
             f"({', '.join(n['address'] for n in nodes)}), CPU {free.get('CPU', 0):g} free of "
             f"{total.get('CPU', 0):g}, GPU {free.get('GPU', 0):g} free of {total.get('GPU', 0):g}"
         )
+
+
+# Ray gives a local instance's raylet a fixed 30 s to register with its GCS (ray/_private/node.py,
+# not configurable). On a loaded machine (2 cores, a test suite running three files at a time) it
+# has taken longer; a second try has then started. Every try's processes are this process's
+# children, found by the private root in their command lines.
+LOCAL_START_ATTEMPTS = 2
+
+
+def _timed_out_at_start(error: Exception) -> bool:
+    return "timed out during startup" in str(error)
+
+
+def _end_failed_local_start(root: str) -> None:
+    """Kills the processes a failed local start left (GCS, raylet, their helpers): ray.init had not
+    recorded them, so ray.shutdown() would not end them. Found by our private Ray root in their
+    command lines (its name holds our pid and a random part: no one else's process names it)."""
+    from workbench._src.launch.proc import pid_alive
+
+    left = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                named = root.encode() in f.read()
+        except OSError:  # ended meanwhile
+            continue
+        if named:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
+            left.append(int(entry))
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid in left) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (our children become zombies: not alive; Ray's subprocess objects reap them)
+    shutil.rmtree(os.path.join(root, "ray"), ignore_errors=True)
 
 
 # The longest socket path Ray makes under our root (the largest pid Linux gives, pid_max 2**22), and
