@@ -58,23 +58,26 @@ def data():
     return toy_data()
 
 
-# The longest files first, so that under `-n 3` (the README's fast way) no worker is left
+# The longest files first, so that under `-n 3` (the README's and CI's command) no worker is left
 # running a long file alone at the end: a worker takes the next file when it is free. xdist's own
 # order (files with the most tests first, turned off in pyproject.toml) put the one-test files that
 # take a minute last. The order is the files' summed test times under `-n 3` on 2 cores, measured
 # with `--durations=0`; a file not named keeps its collection order, after these.
 LONGEST_FIRST = (
+    "test_ray.py",
     "test_readme.py",
     "test_two_hosts.py",
+    "test_lab_extension.py",
     "test_process_backends.py",
     "test_pools.py",
-    "test_ray.py",
-    "test_lab_extension.py",
-    "test_async_ps.py",
     "09_ray_cluster.ipynb",
-    "test_cli.py",
     "test_ray_two_nodes.py",
+    "test_cli.py",
+    "test_async_ps.py",
+    "test_notebook_kernel.py",
     "test_conformance.py",
+    "04_scaling_study.ipynb",
+    "test_network_isolation.py",
     "test_exit.py",
 )
 

@@ -35,7 +35,7 @@ README = ROOT / "README.md"
 # Bash blocks not run here, by a line they hold: why, and what checks them instead.
 NOT_RUN = {
     "pip install -e . && workbench demo": "installs the package; `workbench demo` is tests/test_cli.py's",
-    'pip install -e ".[test]" && python -m pytest': "the test command itself (.ci/run runs it; "
+    'pip install -e ".[test]" && python -m pytest -n 3': "the test command itself (.ci/run runs it; "
     "test_ci_runs_the_readmes_test_command checks they agree)",
     'python -m pytest -m "not slow"': "the fast lane: the tests themselves",
     "--cluster TF_CONFIG": "needs two hosts named gpu-a and gpu-b",
@@ -107,7 +107,9 @@ def test_every_block_is_run_or_says_why_not():
 
 
 def test_ci_runs_the_readmes_test_command():
-    (test_block,) = [b for b in readme_blocks() if "python -m pytest\n" in b["source"]]
+    (test_block,) = [
+        b for b in readme_blocks() if 'pip install -e ".[test]" && python -m pytest' in b["source"]
+    ]
     ci = (ROOT / ".ci" / "run").read_text()
     for line in test_block["source"].splitlines():
         command = line.split("#", 1)[0].strip()
