@@ -20,10 +20,11 @@ import workbench as wb  # noqa: E402
 wb.configure_devices(cpus=8)
 
 # A thread held up in Python's garbage collector is reported as a warning of the test it happened
-# in. Suspected cause of the suite's rare idle stalls (a test or the dashboard's renderer waiting
-# 10-140 s with no CPU): the collector freeing a TensorFlow input iterator, whose C++ destructor
-# waits for tf.data's tuning thread (workbench/_src/core/reaper.py does those deletions on its own
-# thread, where they are expected to take long).
+# in. The suite's rare idle stalls (a test or the dashboard's renderer waiting 10-620 s with no CPU)
+# were the collector freeing a TensorFlow input iterator, whose C++ destructor waits for tf.data's
+# tuning thread: the reaper (workbench/_src/core/reaper.py) had been handed the iterator by the
+# Program's finalizer before the collector cleared the Program, and let go of it first (fixed in
+# the nineteenth session; test_reaper.py shows the race). The warning stays, to show any other way.
 SLOW_COLLECTION_SECONDS = 3.0
 _collection_started: dict[int, float] = {}
 _slow_collections: list[str] = []  # said by the running test's teardown (not from inside the collector)

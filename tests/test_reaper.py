@@ -174,3 +174,56 @@ def test_the_reaper_drops_an_iterators_last_handle_itself_not_inside_a_collectio
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert lines == ["workbench iterator reaper collecting=False"]
+
+
+def test_a_program_the_collector_finds_has_its_iterator_deleted_after_that_collection(tmp_path):
+    """The garbage collector calls a Program's finalizer (which hands its iterator to the reaper)
+    *before* it clears the Program, whose `iterator` attribute still holds the iterator. Had the
+    reaper started then (it can: a finalizer that lets go of the GIL is enough), its reference
+    would not be the last one, and the collector's clearing of the Program would destroy the C++
+    iterator on the collecting thread, waiting for tf.data there (seen: a test frozen minutes in
+    ~IteratorResource under a `_no_cyclic_gc` exit on the main thread). The iterator goes to the
+    reaper once that collection is over."""
+    done, lines, _ = run_script(
+        tmp_path,
+        """
+        import gc, weakref
+        import tensorflow as tf
+        from workbench._src import compat
+
+        collecting = threading.local()
+        gc.callbacks.append(lambda phase, info: setattr(collecting, "on", phase == "start"))
+
+        class RealProgram:
+            def __init__(self):
+                self.iterator = iter(tf.data.Dataset.range(10))
+                next(self.iterator)
+                self.me = self  # in a reference cycle: only the collector frees it
+                reaper.adopt(self)
+
+        class LetsGoOfTheGIL:  # garbage found after the program, its finalizer sleeps
+            def __init__(self):
+                self.me = self
+                weakref.finalize(self, time.sleep, 0.2)
+
+        gc.disable()
+        program = RealProgram()
+        (handle,) = compat.iterator_resource_handles([program.iterator])
+
+        def destroyed(_):
+            log.write(f"{threading.current_thread().name} collecting={getattr(collecting, 'on', False)}\\n")
+            log.flush()
+
+        watch = weakref.ref(handle, destroyed)
+        del handle
+        sleepers = [LetsGoOfTheGIL() for _ in range(3)]
+        reaper.discard_iterators([])  # (no-op) the reaper thread is not started by this
+        del program, sleepers
+        gc.collect()  # on this thread: finds the program, then the sleepers
+        deadline = time.monotonic() + 60
+        while watch() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        """,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert lines == ["workbench iterator reaper collecting=False"]

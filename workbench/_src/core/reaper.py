@@ -33,6 +33,8 @@ _thread: threading.Thread | None = None
 _closed = False
 _deleting = False  # the reaper thread is inside a deletion (guarded by _lock)
 _live_programs: weakref.WeakSet = weakref.WeakSet()  # Programs whose iterators exit keeps alive
+_collecting: set[int] = set()  # threads inside a garbage collection (gc.callbacks, below)
+_held_until_collected: dict[int, list] = {}  # thread -> iterators its running collection found
 
 
 def track(program) -> None:
@@ -89,8 +91,31 @@ def discard_iterators(iterators: list) -> None:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_reap, name="workbench iterator reaper", daemon=True)
             _thread.start()
-    _queue.put(list(iterators))  # the last reference: the deletion happens on the reaper thread
+    me = threading.get_ident()
+    if me in _collecting:
+        # Called by the collector (a Program's finalizer), which clears the Program, and with it
+        # the Program's own reference to the iterator, only after its finalizers have run: handed
+        # over now, the reaper's reference might not be the last. It goes when this collection ends.
+        _held_until_collected.setdefault(me, []).extend(iterators)
+    else:
+        _queue.put(list(iterators))  # the last reference: the deletion happens on the reaper thread
     iterators.clear()
+
+
+def _note_collection(phase: str, info: dict) -> None:
+    """gc callback: which threads are inside a collection; at its end, the iterators their
+    finalizers handed over go to the reaper."""
+    me = threading.get_ident()
+    if phase == "start":
+        _collecting.add(me)
+        return
+    _collecting.discard(me)
+    held = _held_until_collected.pop(me, None)
+    if held:
+        _queue.put(held)
+
+
+gc.callbacks.append(_note_collection)
 
 
 def _keep_forever(objects) -> None:
