@@ -115,6 +115,8 @@ class RayChannel:
         ray = self.ray
         while not self._closed:
             try:
+                if not ray.is_initialized():  # ray.shutdown() by the user: the actors went with it
+                    raise SystemExit
                 said = ray.get(member.actor.poll.remote(POLL_SECONDS))
             # RayActorError and kin: the actor is gone. SystemExit: ray.shutdown() under a waiting
             # get (Ray raises it in this thread); the members went with the connection.
@@ -148,7 +150,7 @@ class RayChannel:
 
     def send(self, task: str, message: dict, timeout: float = SEND_TIMEOUT) -> bool:
         member = self.members.get(task)
-        if member is None or member.dead:
+        if member is None or member.dead or not self.ray.is_initialized():
             return False
         try:  # waited for: messages to one member arrive in the order sent
             self.ray.get(member.actor.deliver.remote(message), timeout=timeout)
