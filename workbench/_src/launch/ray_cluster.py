@@ -304,11 +304,11 @@ def remove_roots_of_dead_owners(base: str) -> list[str]:
 def import_ray():
     """Ray, or a ConfigurationError saying how to install it (an optional extra)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network call home from a notebook
-    # Ray starts a new local instance when one of its calls finds no connection (auto-connect):
-    # a pool's poll thread or stop() after the user's ray.shutdown() then started one in the
-    # machine's /tmp/ray, tied by Ray's fate-sharing to that (short-lived) thread; its GCS died
-    # with the thread, and a minute later Ray ended this whole process for the lost GCS (a -n 3
-    # suite run lost a test process so). The workbench always connects explicitly (connect()).
+    # Ray starts a new local instance when one of its calls finds no connection (auto-connect).
+    # A pool's poll thread or send after the user's ray.shutdown() would start one in the
+    # machine's /tmp/ray, tied by Ray's fate-sharing to that short-lived thread: its GCS dies with
+    # the thread, and a minute later Ray ends this whole process for the lost GCS (the likely way
+    # a -n 3 suite run lost a test process). The workbench always connects explicitly (connect()).
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # (read when Ray is imported)
     try:
         import ray
