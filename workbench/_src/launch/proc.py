@@ -31,6 +31,21 @@ def pid_alive(pid: int) -> bool:
     return bool(fields) and fields[0] != "Z"
 
 
+def pids_naming(text: str) -> list[int]:
+    """The pids of the processes (other than this one) whose command line contains `text`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
 def socket_folder(prefix: str) -> str:
     """A new private folder (mkdtemp: 0700, only this user may reach a socket in it) in the temp
     folder, or in /tmp when TMPDIR is so long that a socket's path in it would pass the 107-byte

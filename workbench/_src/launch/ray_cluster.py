@@ -229,21 +229,12 @@ def _end_failed_local_start(root: str) -> None:
     """Kills the processes a failed local start left (GCS, raylet, their helpers): ray.init had not
     recorded them, so ray.shutdown() would not end them. Found by our private Ray root in their
     command lines (its name holds our pid and a random part: no one else's process names it)."""
-    from workbench._src.launch.proc import pid_alive
+    from workbench._src.launch.proc import pid_alive, pids_naming
 
-    left = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                named = root.encode() in f.read()
-        except OSError:  # ended meanwhile
-            continue
-        if named:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry), signal.SIGKILL)
-            left.append(int(entry))
+    left = pids_naming(root)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while any(pid_alive(pid) for pid in left) and time.monotonic() < deadline:
         time.sleep(0.05)  # (our children become zombies: not alive; Ray's subprocess objects reap them)
