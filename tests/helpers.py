@@ -6,6 +6,7 @@ import tests/.
 
 from __future__ import annotations
 
+import math
 import queue
 import re
 import socket
@@ -186,6 +187,31 @@ def nan_after_fifty_setup(repl):
         return {"loss": tf.math.log(50.5 - w)}  # NaN once 50 steps have run, on any worker
 
     return step_fn, regression_input_fn
+
+
+def hold_the_gil_busy(seconds: float) -> float:
+    """One C call that keeps a CPU busy and never lets go of Python's GIL for about `seconds`
+    (a regular expression that backtracks: each character more doubles its time); returns how
+    long it held it. No other thread of the process runs meanwhile, heartbeats included."""
+    length, took = 16, 0.0
+    while took < 0.1:  # measured on a call long enough to time well
+        length += 1
+        started = time.perf_counter()
+        re.match(r"(a+)+$", "a" * length + "b")
+        took = time.perf_counter() - started
+    length += round(math.log2(seconds / took))  # the nearest: 0.7 to 1.4 times `seconds`
+    started = time.perf_counter()
+    re.match(r"(a+)+$", "a" * length + "b")
+    return time.perf_counter() - started
+
+
+def busy_worker_1_setup(seconds: float):
+    def setup(repl):
+        if repl.worker_id == 1:
+            print(f"worker 1 held the GIL for {hold_the_gil_busy(seconds):.1f} s", flush=True)
+        return regression_setup(repl)
+
+    return setup
 
 
 class LabFrontend:

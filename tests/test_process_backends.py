@@ -7,7 +7,6 @@ that none is left behind.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ from helpers import (
     PROCESS_CELL,
     X,
     Y,
+    busy_worker_1_setup,
     make_model,
     process_pid,
     regression_input_fn,
@@ -217,31 +217,6 @@ def test_multi_worker_frozen_worker_is_named_within_30_seconds():
     with pytest.raises(wb.WorkerError, match=r"worker 1 \(pid \d+\) stopped responding"):
         run.wait(timeout=60)
     assert time.monotonic() - frozen < 30
-
-
-def hold_the_gil_busy(seconds: float) -> float:
-    """One C call that keeps a CPU busy and never lets go of Python's GIL for about `seconds`
-    (a regular expression that backtracks: each character more doubles its time); returns how
-    long it held it. No other thread of the process runs meanwhile, heartbeats included."""
-    length, took = 16, 0.0
-    while took < 0.1:  # measured on a call long enough to time well
-        length += 1
-        started = time.perf_counter()
-        re.match(r"(a+)+$", "a" * length + "b")
-        took = time.perf_counter() - started
-    length += round(math.log2(seconds / took))  # the nearest: 0.7 to 1.4 times `seconds`
-    started = time.perf_counter()
-    re.match(r"(a+)+$", "a" * length + "b")
-    return time.perf_counter() - started
-
-
-def busy_worker_1_setup(seconds: float):
-    def setup(repl):
-        if repl.worker_id == 1:
-            print(f"worker 1 held the GIL for {hold_the_gil_busy(seconds):.1f} s", flush=True)
-        return regression_setup(repl)
-
-    return setup
 
 
 @pytest.mark.slow

@@ -309,7 +309,7 @@ class _Watch:
         """Seconds since `task` last showed it is alive: a message from it, or CPU time it used
         while its heartbeats were late (BUSY_CPU_SHARE of a core since the last sign, asked
         when the silence reaches the timeout). A process whose CPU time cannot be read (a Ray
-        member) has its messages only."""
+        member on another node) has its messages only."""
         heard = self.heard[task]
         mark = self.cpu_seen.get(task)
         if mark is None or mark[0] < heard:  # a message since the last look: its CPU time now

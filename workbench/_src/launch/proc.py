@@ -25,6 +25,13 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: 14, 15
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (None: gone). With the pid it names one
+    process for good: a pid reused later has another start time."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None  # starttime: field 22
+
+
 def pid_alive(pid: int) -> bool:
     """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
     fields = _stat_fields(pid)

@@ -23,6 +23,7 @@ import threading
 import time
 
 from workbench._src.launch.channel import LinkInbox
+from workbench._src.launch.proc import process_start_ticks
 from workbench._src.launch.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
 
 HEARTBEAT_SECONDS = 0.5
@@ -89,6 +90,7 @@ class Member:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "tmp_dir": self.tmp_dir,
+            "started": process_start_ticks(os.getpid()),  # (with the pid: this very process)
         }
 
     def start(self, env: dict) -> None:

@@ -34,6 +34,7 @@ import time
 
 from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.launch.pool_common import PoolCommon
+from workbench._src.launch.proc import process_cpu_seconds, process_start_ticks
 from workbench._src.launch.processes import TMP_PREFIX
 from workbench._src.launch.ray_cluster import PLACEMENTS
 
@@ -46,10 +47,13 @@ SEND_TIMEOUT = 5.0
 class RayMember:
     """One actor of the pool, as the launcher sees a local child."""
 
-    def __init__(self, role: str, index: int, actor, where: dict, may_die: bool = False):
+    def __init__(self, role: str, index: int, actor, where: dict, on_this_node: bool, may_die: bool = False):
         self.role, self.index, self.actor = role, index, actor
         self.pid, self.node, self.port = where["pid"], where["address"], where["port"]
         self.node_id, self.tmp_dir = where["node_id"], where["tmp_dir"]
+        # Its CPU time is readable here when it runs on this process's node and this /proc shows
+        # it (the same pid started at the same moment: not a namespace's or a reused pid).
+        self._cpu_readable = on_this_node and where.get("started") == process_start_ticks(self.pid)
         self.may_die = may_die  # an async-ps worker server: the run goes on without it
         self.expected_exit = False
         self.dead = False
@@ -77,7 +81,9 @@ class RayMember:
         return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
 
     def cpu_seconds(self) -> float | None:
-        return None  # on another node, maybe: only its heartbeats tell that it is alive
+        """Its CPU time, where it can be read (the launcher tells a busy member from a frozen
+        one by it, as for a local child); None on another node: only its heartbeats tell."""
+        return process_cpu_seconds(self.pid) if self._cpu_readable else None
 
 
 class RayMembers:
@@ -223,7 +229,14 @@ class RayPool(PoolCommon):
         working = {t.name for t in self.tasks}
         self.servers = plan.servers_on(addresses)  # {(role, index): cluster spec} of TF servers
         members = [
-            RayMember(role, index, actor, where, may_die=plan.server_may_die(role))
+            RayMember(
+                role,
+                index,
+                actor,
+                where,
+                on_this_node=self.own_node_id is not None and where["node_id"] == self.own_node_id,
+                may_die=plan.server_may_die(role),
+            )
             for (role, index), actor, where in zip(layout, actors, wheres)
         ]
         self.threads = getattr(plan, "threads_per_server", None)
