@@ -75,18 +75,18 @@ def _kill_and_expect_a_worker_error_naming(run, victim: dict, who: str) -> None:
 
 
 @pytest.mark.slow
-def test_sync_run_on_ray_equals_the_local_launcher_and_leaves_nothing_after_shutdown(ray_cluster):
-    ns_local, ns_ray = {}, {}
-    local = wb.MultiWorkerReplicator(num_workers=2)
-    local.train_cell(SAME_START_CELL, ns_local, steps=30)
-    local.shutdown()
+def test_sync_run_on_ray_equals_one_device_and_leaves_nothing_after_shutdown(ray_cluster):
+    # (One device on the global batch, as test_ray_two_nodes compares; that Ray's placement and
+    # the local launcher agree is notebook 09's checked output.)
+    ns_one, ns_ray = {}, {}
+    wb.NonReplicator().train_cell(SAME_START_CELL, ns_one, steps=30)
     placed = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster)
     assert placed.describe()["cluster"] == "ray:local (pack)"
     run = placed.train_cell(SAME_START_CELL, ns_ray, steps=30)
     assert run.status == "finished", run.stop_reason
     assert list(run.history["step"]) == list(range(1, 31))  # one row per step
-    for a, b in zip(ns_local["model"].get_weights(), ns_ray["model"].get_weights()):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    for a, b in zip(ns_one["model"].get_weights(), ns_ray["model"].get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
     roles = sorted((p["role"], p["index"]) for p in run.processes)
     assert roles == [("worker", 0), ("worker", 1)]
     assert all(p["node"] and p["pid"] for p in run.processes), run.processes
@@ -186,13 +186,13 @@ def test_a_killed_async_worker_actor_lets_training_go_on(ray_cluster):
     try:
         # (as test_async_ps' local run: chunks of 5 steps; the kill may even come after the last
         # chunk was handed out: the run then waits for the lost chunk, runs it again, and finishes)
-        run = repl.train(setup=regression_setup, steps=1500, steps_per_execution=5, background=True)
+        run = repl.train(setup=regression_setup, steps=500, steps_per_execution=5, background=True)
         wait_for_steps(run, 50)
         victim = next(p for p in run.processes if p["role"] == "worker" and p["index"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)
         run.wait(timeout=300)
         assert run.status == "finished", run.stop_reason
-        assert list(run.history["step"]) == list(range(1, 1501))
+        assert list(run.history["step"]) == list(range(1, 501))
         said = [e.data.get("text", "") for e in run.events if e.kind == "message"]
         assert any("worker 1" in t and victim["node"] in t and "other workers" in t for t in said), said
         # (a chunk whose result was still on the killed worker is run again, not a failure: the
