@@ -4,6 +4,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -105,11 +106,43 @@ def test_options_that_do_not_fit_the_backend_get_a_sentence_not_a_traceback():
         assert "Fix:" in out.stderr or "Valid names" in out.stderr
 
 
-def test_a_tf_config_without_a_task_is_refused_at_once():
-    config = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}'
-    out = _run("--backend", "multi-worker", "--cluster", "TF_CONFIG", env={"TF_CONFIG": config})
-    assert out.returncode == 2 and "has no 'task' saying which task this process is" in out.stderr
-    assert "Traceback" not in out.stderr
+# `workbench run ...` in-process, saying at exit whether TensorFlow was imported.
+CLI_SAYING_IF_TF_WAS_IMPORTED = """
+import atexit, sys
+from workbench.cli import main
+atexit.register(lambda: print("tensorflow imported:", "tensorflow" in sys.modules))
+sys.argv = ["workbench", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize(
+    "backend, config, said",
+    [
+        (
+            "multi-worker",
+            '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}',
+            "has no 'task' saying which task",
+        ),
+        (
+            "async-ps",
+            '{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 3}}',
+            "has task index 3",
+        ),
+        ("multi-worker", None, "the TF_CONFIG environment variable is not set"),
+    ],
+)
+def test_a_wrong_tf_config_is_refused_at_once_before_tensorflows_import(backend, config, said):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | (
+        {"TF_CONFIG": config} if config else {}
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", CLI_SAYING_IF_TF_WAS_IMPORTED, "run", TOY_SCRIPT, "--steps", "5",
+         "--backend", backend, "--cluster", "TF_CONFIG"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "tensorflow imported: False" in out.stdout  # (it was: 6 s and a TensorFlow start to say it)
 
 
 def test_history_is_written_when_the_run_fails(tmp_path):

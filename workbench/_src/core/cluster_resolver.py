@@ -23,13 +23,7 @@ def cluster_resolver(cluster):
     if isinstance(cluster, resolvers.ClusterResolver):
         return cluster
     if isinstance(cluster, str) and cluster.upper() == "TF_CONFIG":
-        raw = os.environ.get("TF_CONFIG")
-        if not raw:
-            raise ConfigurationError(
-                "cluster='TF_CONFIG' but the TF_CONFIG environment variable is not set. Fix: export "
-                f"TF_CONFIG='{EXAMPLE}' on each host (its own task index on each)."
-            )
-        check_tf_config(parse_tf_config(raw), "the TF_CONFIG environment variable")
+        checked_tf_config_env()
         return resolvers.TFConfigClusterResolver()
     if isinstance(cluster, str) and cluster.lower() == "slurm":
         return resolvers.SlurmClusterResolver()
@@ -46,6 +40,20 @@ def cluster_resolver(cluster):
         "cluster must be 'TF_CONFIG', 'slurm', a TF_CONFIG-style dict {'cluster': {...}, 'task': "
         f"{{'type': 'worker', 'index': i}}}}, or a tf.distribute cluster resolver; received {cluster!r:.120}."
     )
+
+
+def checked_tf_config_env() -> dict:
+    """The TF_CONFIG environment variable, parsed and checked (without TensorFlow: `workbench
+    run` refuses a wrong one before the seconds of TensorFlow's import)."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        raise ConfigurationError(
+            "cluster='TF_CONFIG' but the TF_CONFIG environment variable is not set. Fix: export "
+            f"TF_CONFIG='{EXAMPLE}' on each host (its own task index on each)."
+        )
+    config = parse_tf_config(raw)
+    check_tf_config(config, "the TF_CONFIG environment variable")
+    return config
 
 
 def parse_tf_config(raw: str) -> dict:

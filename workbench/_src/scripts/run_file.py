@@ -18,7 +18,7 @@ from pathlib import Path
 
 from workbench._src.backends import registry
 from workbench._src.core import tf_setup
-from workbench._src.core.cluster_resolver import cluster_resolver
+from workbench._src.core.cluster_resolver import checked_tf_config_env, cluster_resolver
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
 from workbench._src.launch.ray_cluster import RayCluster
@@ -49,6 +49,8 @@ def run_file(args) -> int:
         tf_setup.configure_devices(cpus=args.cpus)
     try:
         _check_options(args)
+        if args.cluster and args.cluster.upper() == "TF_CONFIG":  # refused before TensorFlow's import
+            checked_tf_config_env()
         backend = registry.spec(args.backend)
         if (
             args.cluster
@@ -138,7 +140,8 @@ def _report_failure(error: Exception, args) -> int:
     failed = getattr(error, "run", None)
     where = f" after step {failed.steps}" if failed is not None else ""  # (in a fused chunk: somewhere after)
     first, *rest = (str(error) or type(error).__name__).splitlines() or [""]
-    peer = _lost_peer(error, args)
+    # (Ours already says what failed; only TensorFlow's errors are read for a lost peer.)
+    peer = None if isinstance(error, WorkbenchError) else _lost_peer(error, args)
     if isinstance(error, WorkbenchError):
         print(f"workbench run: {type(error).__name__}: {error}", file=sys.stderr)
     elif peer:

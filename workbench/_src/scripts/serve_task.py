@@ -14,7 +14,7 @@ import socket
 import sys
 import time
 
-from workbench._src.core.cluster_resolver import check_tf_config, cluster_resolver, parse_tf_config
+from workbench._src.core.cluster_resolver import checked_tf_config_env, cluster_resolver
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import keras_extras_skipped, tf
 
@@ -28,12 +28,10 @@ CHIEF_SILENT_SECONDS = 300.0
 
 def is_server_task(cluster) -> bool:
     """True when this process's task in `cluster` is a parameter server or an async worker."""
-    if isinstance(cluster, str) and cluster.upper() == "TF_CONFIG" and os.environ.get("TF_CONFIG"):
+    if isinstance(cluster, str) and cluster.upper() == "TF_CONFIG":
         # Read without TensorFlow, so that a server task imports it in serve(), without Keras's
         # extras (a chief runs the user's file: it imports TensorFlow in full).
-        config = parse_tf_config(os.environ["TF_CONFIG"])
-        check_tf_config(config, "the TF_CONFIG environment variable")
-        return config["task"]["type"] in ("ps", "worker")
+        return checked_tf_config_env()["task"]["type"] in ("ps", "worker")
     return cluster_resolver(cluster).task_type in ("ps", "worker")
 
 
