@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,14 +101,20 @@ class RayNodes:
         )
 
     def _start(self, host: int, argv: list[str], log_path: Path) -> None:
-        with open(log_path, "w") as log:
-            done = self.hosts.popen(host, argv, self.env, log)
-            code = done.wait(timeout=120)
+        # Ray gives a node's raylet a fixed 30 s to register: under `-n 3` a start once took
+        # longer ("timed out during startup"). Tried twice, as the workbench's local start is,
+        # the first try's processes ended first (by pid: the namespace holds only Ray's yet).
+        for attempt in (1, 2):
+            with open(log_path, "w") as log:
+                code = self.hosts.popen(host, argv, self.env, log).wait(timeout=120)
+            if code == 0 or attempt == 2 or "timed out during startup" not in log_path.read_text():
+                break
+            self.hosts.kill_all(host)
+            shutil.rmtree(self.temp_dirs[host], ignore_errors=True)
+            os.mkdir(self.temp_dirs[host])
         assert code == 0, f"`ray start` failed on host {host}:\n{log_path.read_text()[-3000:]}"
 
     def close(self) -> None:
-        import shutil
-
         for folder in self.temp_dirs:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -69,22 +69,27 @@ class TwoHosts:
         for name, link in zip(self.names, self.links):
             _ip("-n", name, "link", "set", link, "up", check=False)
 
-    def pids(self) -> list[int]:
+    def pids(self, host: int | None = None) -> list[int]:
+        """The processes in both namespaces (or in host 0's or 1's)."""
         found = []
-        for name in self.names:
+        for name in self.names if host is None else [self.names[host]]:
             out = _ip("netns", "pids", name, check=False).stdout.split()
             found += [int(p) for p in out if p.isdigit()]
         return found
 
-    def close(self) -> None:
-        for pid in self.pids():
+    def kill_all(self, host: int | None = None) -> None:
+        """SIGKILLs every process in both namespaces (or in one), by pid; waits up to 10 s."""
+        for pid in self.pids(host):
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
-        while self.pids() and time.monotonic() < deadline:
+        while self.pids(host) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+    def close(self) -> None:
+        self.kill_all()
         for name in self.names:
             _ip("netns", "del", name, check=False)
         shutil.rmtree(self.tmp, ignore_errors=True)
