@@ -53,7 +53,8 @@ class RayMember:
         self.node_id, self.tmp_dir = where["node_id"], where["tmp_dir"]
         # Its CPU time is readable here when it runs on this process's node and this /proc shows
         # it (the same pid started at the same moment: not a namespace's or a reused pid).
-        self._cpu_readable = on_this_node and where.get("started") == process_start_ticks(self.pid)
+        started = where.get("started")
+        self._cpu_readable = on_this_node and started is not None and started == process_start_ticks(self.pid)
         self.may_die = may_die  # an async-ps worker server: the run goes on without it
         self.expected_exit = False
         self.dead = False
