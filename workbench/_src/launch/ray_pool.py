@@ -51,6 +51,7 @@ class RayMember:
         self.role, self.index, self.actor = role, index, actor
         self.pid, self.node, self.port = where["pid"], where["address"], where["port"]
         self.node_id, self.tmp_dir = where["node_id"], where["tmp_dir"]
+        self.on_this_node = on_this_node  # the launcher's own Ray node
         # Its CPU time is readable here when it runs on this process's node and this /proc shows
         # it (the same pid started at the same moment: not a namespace's or a reused pid).
         started = where.get("started")
@@ -338,8 +339,7 @@ class RayPool(PoolCommon):
         than the grace on a busy machine) is cleaned up from here. Members on other nodes clean up
         themselves or by a sibling (`_remove_folders_of_the_dead`)."""
         for member in self.group.children:
-            on_this_node = self.own_node_id is not None and member.node_id == self.own_node_id
-            if on_this_node and os.path.basename(member.tmp_dir).startswith(TMP_PREFIX):
+            if member.on_this_node and os.path.basename(member.tmp_dir).startswith(TMP_PREFIX):
                 shutil.rmtree(member.tmp_dir, ignore_errors=True)
 
     def _remove_folders_of_the_dead(self) -> list:
