@@ -6,7 +6,6 @@ import tests/.
 
 from __future__ import annotations
 
-import math
 import queue
 import re
 import socket
@@ -190,18 +189,19 @@ def nan_after_fifty_setup(repl):
 
 
 def hold_the_gil_busy(seconds: float) -> float:
-    """One C call that keeps a CPU busy and never lets go of Python's GIL for about `seconds`
-    (a regular expression that backtracks: each character more doubles its time); returns how
-    long it held it. No other thread of the process runs meanwhile, heartbeats included."""
-    length, took = 16, 0.0
-    while took < 0.1:  # measured on a call long enough to time well
-        length += 1
-        started = time.perf_counter()
-        re.match(r"(a+)+$", "a" * length + "b")
-        took = time.perf_counter() - started
-    length += round(math.log2(seconds / took))  # the nearest: 0.7 to 1.4 times `seconds`
+    """One C call that keeps a CPU busy and never lets go of Python's GIL for about `seconds` of
+    CPU time (a sum over a range: its time grows linearly with the range, so the aim is close);
+    returns how long it held it. No other thread of the process runs meanwhile, heartbeats
+    included. On a loaded machine the wall time is longer than the CPU time aimed at."""
+    length, took = 1_000_000, 0.0
+    while took < 0.2:  # measured on a call long enough to time well
+        length *= 2
+        started = time.process_time()
+        sum(range(length))
+        took = time.process_time() - started
+    length = int(length * seconds / took)
     started = time.perf_counter()
-    re.match(r"(a+)+$", "a" * length + "b")
+    sum(range(length))
     return time.perf_counter() - started
 
 
