@@ -209,3 +209,23 @@ def test_sigterm_stops_a_run_at_a_step_boundary_and_keeps_its_history(tmp_path):
     assert summary["status"] == "stopped" and summary["stop_reason"].startswith("interrupted at step")
     assert len(pd.read_csv(history)) == summary["steps"]
     assert any(name.startswith("ckpt") for name in os.listdir(checkpoints))
+
+
+@pytest.mark.slow
+def test_a_script_on_worker_processes_runs_only_there_and_finds_the_modules_beside_it(tmp_path):
+    # The file runs in the workers, not in `workbench run` itself (which then never imports
+    # TensorFlow); its `import` of a module beside it works from any folder, in every worker.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "sizes.py").write_text("HIDDEN = 16\n")
+    script = open(TOY_SCRIPT).read().replace("import numpy as np", "import numpy as np\nimport sizes")
+    (project / "train.py").write_text(script.replace("Dense(16,", "Dense(sizes.HIDDEN,"))
+    out = subprocess.run(
+        [sys.executable, "-c", CLI_SAYING_IF_TF_WAS_IMPORTED, "run", "project/train.py", "--steps", "5",
+         "--backend", "multi-worker", "--workers", "2"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["status"] == "finished" and summary["steps"] == 5
+    assert "tensorflow imported: False" in out.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 import time
 import traceback
 
@@ -123,10 +124,18 @@ class CellSetup:
     step_fn and input_fn it defines. It pickles (the source travels, not code objects), so
     worker processes can build the cell's model themselves."""
 
-    def __init__(self, source: str, namespace: dict | None, filename: str = CELL_FILENAME):
+    def __init__(
+        self, source: str, namespace: dict | None, filename: str = CELL_FILENAME, import_paths: tuple = ()
+    ):
         self.source, self.namespace, self.filename = source, namespace, filename
+        # Folders its `import`s look in first, wherever it runs (a script's own folder, for the
+        # helper modules beside it: a worker process started elsewhere would not find them).
+        self.import_paths = tuple(import_paths)
 
     def __call__(self, repl):
+        for folder in reversed(self.import_paths):
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
         namespace = {**(self.namespace or {}), "repl": repl}
         execute_source(self.source, namespace, self.filename)
         return functions_defined(namespace, where=self.filename)

@@ -65,6 +65,13 @@ def run_file(args) -> int:
             fork_server.prestart()  # its TensorFlow import runs beside this process's own
         repl = _make_replicator(args)
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
+        # Processes this one starts (locally or on Ray) run the file themselves: it runs only there,
+        # as the notebook's cell would without the notebook's copy of the model, which a script
+        # has no use for. This process then never imports TensorFlow (4-5 CPU-seconds and as many
+        # of start-up that the workers' own imports need). A real cluster's task is a worker itself.
+        ships_the_file = backend.in_processes and (not args.cluster or _on_ray(args))
+        if ships_the_file:
+            compile(source, str(path), "exec")  # a SyntaxError shows here, before any process starts
         options = {
             "steps_per_execution": args.steps_per_execution,
             "sinks": [ProgressPrinter(args.steps)],
@@ -82,7 +89,12 @@ def run_file(args) -> int:
         # SIGTERM (a scheduler ending the job, `kill`) asks what Ctrl-C asks: stop at the next step
         # boundary, keeping the history and the checkpoint; a second one aborts.
         signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-        run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
+        if ships_the_file:
+            folder = str(path.resolve().parent)
+            setup = CellSetup(source, namespace, filename=str(path), import_paths=(folder,))
+            run = repl.train(setup=setup, steps=args.steps, **options)
+        else:
+            run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
     except Exception as e:  # noqa: BLE001 - one sentence first, the details after it
         return _report_failure(e, args)
     summary = run.summary()
@@ -112,7 +124,12 @@ def scale_file(args) -> int:
     sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
     # A fresh namespace per configuration; the source (not a code object) so that it also
     # travels to worker processes, and the file's name so tracebacks and AutoGraph find it.
-    setup = CellSetup(path.read_text(), {"__file__": str(path.resolve())}, filename=str(path))
+    setup = CellSetup(
+        path.read_text(),
+        {"__file__": str(path.resolve())},
+        filename=str(path),
+        import_paths=(str(path.resolve().parent),),  # its helper modules, in worker processes too
+    )
     options = {backend.threads_option: args.threads} if backend.threads_option and args.threads else {}
     try:
         study = scaling_study(
