@@ -75,7 +75,9 @@ def _kill_and_expect_a_worker_error_naming(run, victim: dict, who: str) -> None:
 
 
 @pytest.mark.slow
-def test_sync_run_on_ray_equals_one_device_and_leaves_nothing_after_shutdown(ray_cluster):
+def test_sync_run_on_ray_equals_one_device_then_a_busy_worker_is_not_frozen_and_a_killed_one_ends_the_run(
+    ray_cluster,
+):
     # (One device on the global batch, as test_ray_two_nodes compares; that Ray's placement and
     # the local launcher agree is notebook 09's checked output.)
     ns_one, ns_ray = {}, {}
@@ -92,14 +94,32 @@ def test_sync_run_on_ray_equals_one_device_and_leaves_nothing_after_shutdown(ray
     assert all(p["node"] and p["pid"] for p in run.processes), run.processes
     pids = [p["pid"] for p in run.processes]
 
-    # A second run takes the warm pool: the same actors, started in about a second.
-    again = placed.train_cell(PROCESS_CELL, {}, steps=10)
-    assert [p["pid"] for p in again.processes] == pids
-    assert "handoff" in again.startup, again.startup
-
-    placed.shutdown()
+    # The next run, of the same shape (a heartbeat timeout is not part of it), takes the warm pool:
+    # the same actors, started in about a second. Worker 1 holds Python's GIL for 8 CPU-s while it
+    # builds: no heartbeat, but CPU time used, read from /proc as a local child's (its actor runs
+    # on this node). A -n 3 suite run lost the README's Ray block to a 10-s silence like it before
+    # members' CPU was read. (A 2-s timeout was too tight for Ray's poll path under -n 3: one run
+    # saw 4 s of silence with no CPU used, before the member's setup began. The hold is CPU time:
+    # the silence it makes may last 3.75 times as long on a loaded machine before the 6-timeout
+    # limit.)
+    repl = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster, heartbeat_timeout=5)
+    try:
+        run = repl.train(setup=busy_worker_1_setup(8), steps=100_000, background=True)
+        wait_for_steps(run, 20)
+        assert [p["pid"] for p in run.processes] == pids and "handoff" in run.startup, run.startup
+        victim = next(p for p in run.processes if p["role"] == "worker" and p["index"] == 1)
+        (victim_member,) = [m for m in repl.launcher.pool.group.children if m.pid == victim["pid"]]
+        victim_tmp = victim_member.tmp_dir  # its own temp folder (AutoGraph's files are there)
+        assert os.path.isdir(victim_tmp), victim_tmp
+        _kill_and_expect_a_worker_error_naming(run, victim, "worker 1")
+        assert run.status == "failed"
+        assert len(run.history) >= 20  # what ran is kept
+    finally:
+        repl.shutdown()
     wait_for(lambda: all(_pid_gone(pid) for pid in pids), 30, f"the pool's actors {pids} to end")
     assert _placement_groups_alive() == []
+    # Killed by a signal, it could not remove its temp folder: the pool had a member on its node do it.
+    assert not os.path.exists(victim_tmp), os.listdir(victim_tmp)
 
 
 @pytest.mark.slow
@@ -128,32 +148,6 @@ def test_a_killed_parameter_server_actor_ends_an_async_run_naming_it(ray_cluster
     finally:
         repl.shutdown()
     assert _placement_groups_alive() == []
-
-
-@pytest.mark.slow
-def test_a_busy_worker_actor_is_not_frozen_and_a_killed_one_ends_the_run_naming_it_and_its_node(ray_cluster):
-    repl = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster, heartbeat_timeout=5)
-    try:
-        # Worker 1 holds Python's GIL for 8 CPU-s while it builds: no heartbeat, but CPU time
-        # used, read from /proc as a local child's (its actor runs on this node). A -n 3 suite run
-        # lost the README's Ray block to a 10-s silence like it before members' CPU was read.
-        # (A 2-s timeout was too tight for Ray's poll path under -n 3: one run saw 4 s of silence
-        # with no CPU used, before the member's setup began. The hold is CPU time: the silence it
-        # makes may last 3.75 times as long on a loaded machine before the 6-timeout limit.)
-        run = repl.train(setup=busy_worker_1_setup(8), steps=100_000, background=True)
-        wait_for_steps(run, 20)
-        victim = next(p for p in run.processes if p["role"] == "worker" and p["index"] == 1)
-        (victim_member,) = [m for m in repl.launcher.pool.group.children if m.pid == victim["pid"]]
-        victim_tmp = victim_member.tmp_dir  # its own temp folder (AutoGraph's files are there)
-        assert os.path.isdir(victim_tmp), victim_tmp
-        _kill_and_expect_a_worker_error_naming(run, victim, "worker 1")
-        assert run.status == "failed"
-        assert len(run.history) >= 20  # what ran is kept
-    finally:
-        repl.shutdown()
-    assert _placement_groups_alive() == []
-    # Killed by a signal, it could not remove its temp folder: the pool had a member on its node do it.
-    assert not os.path.exists(victim_tmp), os.listdir(victim_tmp)
 
 
 @pytest.mark.slow
