@@ -31,7 +31,10 @@ from workbench._src.launch import shipping
 # delays it too. Measured: a worker holding the GIL, busy, for 15 s was declared frozen after 10.
 # A frozen (SIGSTOP) process uses none (the 5% share below is a bound chosen, not measured).
 BUSY_CPU_SHARE = 0.05  # a silent process using at least this share of one core is busy
-BUSY_SILENCE_LIMIT = 6  # ... for at most this many heartbeat timeouts (a GIL held for good)
+# ... until it has used this many heartbeat timeouts of CPU time while silent (a GIL held for
+# good): on an idle machine that many timeouts of silence, on a loaded one longer, for a process
+# that gets a share of a core has not used its limit (a -n 3 run's actor took 30 s for 8 CPU-s).
+BUSY_SILENCE_LIMIT = 6
 
 
 @dataclasses.dataclass
@@ -163,6 +166,7 @@ class _Watch:
         self.chief = self.tasks[0]
         self.heard: dict[str, float] = {}
         self.cpu_seen: dict[str, tuple[float, float | None]] = {}  # task -> (last sign of life, CPU s then)
+        self.cpu_at_message: dict[str, float | None] = {}  # task -> its CPU s when its last message came
         self.ready: set[str] = set()
         self.results: dict = {}
         self.stop_sent = False
@@ -283,11 +287,13 @@ class _Watch:
                     "of the run was stopped.",
                     task,
                 )
-            if silent > BUSY_SILENCE_LIMIT * timeout:
+            busy_for = self._cpu_used_while_silent(task) if silent > BUSY_SILENCE_LIMIT * timeout else None
+            if busy_for is not None and busy_for > BUSY_SILENCE_LIMIT * timeout:
                 self._raise(
                     f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
-                    f"{silent:.0f} s while it kept a CPU busy (one call holding Python's GIL that long, "
-                    f"or a loop that never returns){self._at_step()}; every process of the run was stopped.",
+                    f"{silent:.0f} s while it kept a CPU busy ({busy_for:.0f} CPU-seconds: one call holding "
+                    f"Python's GIL that long, or a loop that never returns){self._at_step()}; every process "
+                    "of the run was stopped.",
                     task,
                 )
         if len(self.ready) < len(self.tasks) and now - self.started > self.launcher.startup_timeout:
@@ -314,6 +320,7 @@ class _Watch:
         mark = self.cpu_seen.get(task)
         if mark is None or mark[0] < heard:  # a message since the last look: its CPU time now
             self.cpu_seen[task] = (now, self._child(task).cpu_seconds())
+            self.cpu_at_message[task] = self.cpu_seen[task][1]
             return now - heard
         since, cpu_then = mark
         if cpu_then is None or now - since <= self.launcher.heartbeat_timeout:
@@ -323,6 +330,12 @@ class _Watch:
             self.cpu_seen[task] = (now, cpu)  # busy: the silence counts from now
             return 0.0
         return now - since
+
+    def _cpu_used_while_silent(self, task: str) -> float | None:
+        """CPU seconds `task` used since its last message (None where it cannot be read)."""
+        then = self.cpu_at_message.get(task)
+        now = self._child(task).cpu_seconds() if then is not None else None
+        return None if now is None else now - then
 
     def _fail_after_error(self, task: str, message: dict) -> None:
         # A worker whose peer died or froze reports the collective failure first; give the
