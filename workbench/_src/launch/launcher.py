@@ -29,8 +29,10 @@ from workbench._src.launch import shipping
 # heartbeat thread cannot run while another thread holds Python's GIL in one long C call (a
 # regular expression, a large json or pickle load, building a big graph), and a busy machine
 # delays it too. Measured: a worker holding the GIL, busy, for 15 s was declared frozen after 10.
-# A frozen (SIGSTOP) process uses none (the 5% share below is a bound chosen, not measured).
-BUSY_CPU_SHARE = 0.05  # a silent process using at least this share of one core is busy
+# A frozen (SIGSTOP) process uses none. The share below is a bound chosen: 1% of a core is one
+# of /proc's 10-ms ticks a second. (It was 5%: a -n 3 run starts ~30 runnable threads on two
+# cores, where a busy single-threaded process gets about 7%.)
+BUSY_CPU_SHARE = 0.01  # a silent process using at least this share of one core is busy
 # ... until it has used this many heartbeat timeouts of CPU time while silent (a GIL held for
 # good): on an idle machine that many timeouts of silence, on a loaded one longer, for a process
 # that gets a share of a core has not used its limit (a -n 3 run's actor took 30 s for 8 CPU-s).
@@ -187,10 +189,13 @@ class _Watch:
         while len(self.results) < len(self.tasks):
             try:
                 task, message = self.channel.messages.get(timeout=0.1)
+                while True:  # every message that waits, before silences are judged: this thread
+                    self._handle(task, message)  # may itself have been held up on a busy machine
+                    if len(self.results) == len(self.tasks):
+                        break
+                    task, message = self.channel.messages.get_nowait()
             except queue.Empty:
-                task, message = None, None
-            if message is not None:
-                self._handle(task, message)
+                pass
             self._check()
         return self.results
 
