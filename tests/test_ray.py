@@ -238,6 +238,38 @@ def test_members_on_this_node_leave_no_temp_folder_when_ray_was_shut_down_first(
     assert [folder for folder in folders if os.path.exists(folder)] == []
 
 
+# A member holding its GIL past its orphan timeout (its launcher's polls wait in Ray's queue for
+# the same GIL), then polled as the waiting poll would be; then never polled again.
+MEMBER_BUSY_THEN_ORPHANED = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from helpers import hold_the_gil_busy
+from workbench._src.launch.ray_member import Member
+member = Member("worker", 1, orphan_timeout=3)
+time.sleep(1.5)
+member.poll(0.0)
+print("held", round(hold_the_gil_busy(5), 1), flush=True)
+time.sleep(0.3)  # (the waiting poll runs once the GIL is free)
+member.poll(0.0)
+print("polled after the hold", flush=True)
+time.sleep(60)
+print("still here after 60 s unpolled", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_ray_member_busy_past_its_orphan_timeout_stays_and_leaves_once_unpolled(tmp_path):
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", MEMBER_BUSY_THEN_ORPHANED.format(tests=os.path.dirname(__file__))],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert "polled after the hold" in done.stdout, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.returncode == 5 and "still here" not in done.stdout, done.stdout  # it left, orphaned
+    assert time.monotonic() - started < 40
+    assert list(tmp_path.iterdir()) == []  # its temp folder went with it
+
+
 def test_a_killed_kernels_ray_temp_root_is_removed_by_the_next_local_instance(tmp_path):
     """A kernel killed by a signal (nbval, JupyterLab's shutdown) runs no exit hook: its local Ray
     instance's temp root stays. The next process that starts one removes the roots of owners that

@@ -27,6 +27,7 @@ from workbench._src.launch.proc import process_start_ticks
 from workbench._src.launch.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
 
 HEARTBEAT_SECONDS = 0.5
+STALL_SECONDS = 1.0  # a one-second sleep that ends this much later: the process could not run
 
 
 class ActorLink(LinkInbox):
@@ -143,10 +144,21 @@ class Member:
         """The launcher polls every member about once a second for the pool's whole life. A member
         that goes `orphan_timeout` seconds unpolled has lost it (its node cut off, the launcher
         gone without Ray noticing yet) and leaves, as a local member leaves when its parent's
-        pipe closes: Ray alone would keep a cut-off node's actor until its raylet gives up."""
+        pipe closes: Ray alone would keep a cut-off node's actor until its raylet gives up.
+
+        Only time this process could run counts: while one call held its GIL (or the machine
+        starved it) this thread slept late, and so did the launcher's polls, waiting in Ray's queue
+        for the same GIL. After such a stall the count starts again, or a member busy for
+        `orphan_timeout` left as orphaned at the stall's end, its polls still waiting (a -n 3
+        run's actor, holding the GIL for 8 CPU-s that took over 30 s)."""
+        ticked = time.monotonic()
         while True:
             time.sleep(1.0)
-            if time.monotonic() - self.last_poll > orphan_timeout:
+            now = time.monotonic()
+            if now - ticked > 1.0 + STALL_SECONDS:
+                self.last_poll = max(self.last_poll, now)
+            ticked = now
+            if now - self.last_poll > orphan_timeout:
                 self.clean_up()
                 os._exit(5)
 
