@@ -34,8 +34,8 @@ from workbench._src.launch import shipping
 # cores, where a busy single-threaded process gets about 7%.)
 BUSY_CPU_SHARE = 0.01  # a silent process using at least this share of one core is busy
 # ... until it has used this many heartbeat timeouts of CPU time while silent (a GIL held for
-# good): on an idle machine that many timeouts of silence, on a loaded one longer, for a process
-# that gets a share of a core has not used its limit (a -n 3 run's actor took 30 s for 8 CPU-s).
+# good): that many timeouts of silence on an idle machine, longer on a loaded one, where a process
+# that gets a share of a core is not stuck (a -n 3 run's actor took 30 s for 8 CPU-s).
 BUSY_SILENCE_LIMIT = 6
 
 

@@ -62,7 +62,7 @@ def run_file(args) -> int:
         if backend.in_processes and not args.cluster:
             from workbench._src.launch import fork_server
 
-            fork_server.prestart()  # its TensorFlow import runs beside this process's own
+            fork_server.prestart()  # its TensorFlow import starts now, while this process goes on
         repl = _make_replicator(args)
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         # Processes this one starts (locally or on Ray) run the file themselves: it runs only there,
