@@ -228,7 +228,7 @@ def _declared_lost_and_the_run_goes_on(hosts, chief, log, times: int) -> None:
     while log.read_text().count(sentence) < times and time.monotonic() < deadline and chief.poll() is None:
         time.sleep(0.2)
     text = log.read_text()
-    assert text.count(sentence) == times, f"not declared lost a {times}. time:\n{text[-3000:]}"
+    assert text.count(sentence) == times, f"worker 1 was not declared lost {times} time(s):\n{text[-3000:]}"
     assert text.count("the run goes on with 1 of 2 workers") == times, text[-3000:]
     at_loss = _last_step(log)
     deadline = time.monotonic() + 60
