@@ -139,6 +139,8 @@ class _Server:
     def __init__(self, path: str, popen=None, folder: str | None = None, environment: str = ""):
         self.path = path
         self.popen = popen  # None when inherited from the process that forked us
+        self.serving = popen is None  # (ours: once its socket is there)
+        self.started = time.monotonic()
         self.folder = folder
         self.environment = environment
         if popen is not None:
@@ -168,14 +170,16 @@ def enabled() -> bool:
 
 
 def prestart() -> None:
-    """Starts this process's fork server in the background, so that its TensorFlow import runs
-    while this process imports its own (`workbench run` calls it before it runs the file); the
-    first start_process then waits for it only as long as it is not ready."""
+    """Starts this process's fork server now, without waiting for it, so that its TensorFlow
+    import runs while this process goes on (`workbench run` calls it first); the first
+    start_process then waits for it only as long as it is not ready. Its process and folder are
+    known before this returns: a script that fails at once leaves nothing (a start on a thread
+    of its own could still be making the folder when the script exited, and left it)."""
     if not enabled():
         return
     env = {**os.environ}
     tf_setup.hold_back_cpp_logs(env)  # as ProcessGroup.start gives its children
-    threading.Thread(target=_server_for, args=(env,), name="workbench fork server start", daemon=True).start()
+    _server_for(env, wait=False)
 
 
 def start_process(
@@ -264,7 +268,7 @@ def _failed(server: _Server, why: str) -> None:
             _give_up(why)
 
 
-def _server_for(env: dict) -> _Server | None:
+def _server_for(env: dict, wait: bool = True) -> _Server | None:
     global _server, _failures
     environment = import_time_environment(env)
     with _lock:
@@ -287,10 +291,12 @@ def _server_for(env: dict) -> _Server | None:
             # a new fork server imports with them; the old one ends with its last child.
             _server.end()
             _server = _start_server(environment)
+        if wait and not _server.serving and not _wait_until_serving(_server):
+            _server = None
         return _server
 
 
-def _start_server(environment: str) -> _Server | None:
+def _start_server(environment: str) -> _Server:
     folder = socket_folder("workbench-fork-server-")
     path = os.path.join(folder, "fork.sock")
     log_path = os.path.join(folder, "fork-server.log")
@@ -311,10 +317,16 @@ def _start_server(environment: str) -> _Server | None:
     # a script that fails while the fork server still imports leaves nothing behind either.
     server = _Server(path, popen, folder, environment)
     _servers.append(server)
-    deadline = time.monotonic() + START_TIMEOUT
-    while not os.path.exists(path):
+    return server
+
+
+def _wait_until_serving(server: _Server) -> bool:
+    """Waits for our fork server's socket (its import done); False, and no fork server for this
+    process from now on, if it exited or took longer than START_TIMEOUT."""
+    popen, deadline = server.popen, server.started + START_TIMEOUT
+    while not os.path.exists(server.path):
         if popen.poll() is not None or time.monotonic() > deadline:
-            why = _tail(log_path) or f"exit code {popen.poll()}"
+            why = _tail(os.path.join(server.folder, "fork-server.log")) or f"exit code {popen.poll()}"
             server.end()
             with contextlib.suppress(ProcessLookupError):
                 popen.kill()  # (past the timeout it may still be importing)
@@ -323,9 +335,10 @@ def _start_server(environment: str) -> _Server | None:
             _servers.remove(server)
             _warn_once(f"the fork server did not start ({why})")
             _give_up(why)
-            return None
+            return False
         time.sleep(0.02)
-    return server
+    server.serving = True
+    return True
 
 
 _servers: list[_Server] = []  # every fork server this process started (each ends at our exit)
