@@ -8,6 +8,7 @@ therefore gets a temp folder of its own (processes.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,15 +92,18 @@ def test_a_failed_workbench_run_leaves_its_tmpdir_empty(tmp_path):
 def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_folder(tmp_path):
     # `workbench run` starts its fork server first; a file that does not compile ends the command
     # a moment later. The fork server's start was on a thread of its own, and 3 exits in 5 left its
-    # folder half made (a fork server's socket folder, or an empty mkdtemp one).
+    # folder half made. (A short private TMPDIR: under a long one, as tmp_path is, the fork
+    # server's socket folder goes to /tmp, where a Unix socket's path fits, and is not seen here.)
     (tmp_path / "broken.py").write_text("def input_fn(ctx)\n    pass\n")
     for attempt in range(5):
-        private = tmp_path / f"tmp{attempt}"
-        private.mkdir()
-        done = subprocess.run(
-            ["workbench", "run", "broken.py", "--backend", "multi-worker", "--workers", "2", "--steps", "5"],
-            cwd=tmp_path, env={**os.environ, "TMPDIR": str(private)}, capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 1 and "SyntaxError: expected ':'" in done.stderr, done.stderr[-3000:]
-        assert leftovers(private) == [], f"left in TMPDIR after exit {attempt + 1}: {leftovers(private)}"
+        private = Path(tempfile.mkdtemp(prefix="wb-", dir="/tmp"))
+        try:
+            done = subprocess.run(
+                ["workbench", "run", "broken.py", "--backend", "multi-worker", "--workers", "2", "--steps", "5"],
+                cwd=tmp_path, env={**os.environ, "TMPDIR": str(private)}, capture_output=True, text=True,
+                timeout=120,
+            )  # fmt: skip
+            assert done.returncode == 1 and "SyntaxError: expected ':'" in done.stderr, done.stderr[-3000:]
+            assert leftovers(private) == [], f"left in TMPDIR after exit {attempt + 1}: {leftovers(private)}"
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
