@@ -82,7 +82,8 @@ def run_file(args) -> int:
             options["checkpoint_dir"] = args.checkpoint
         if args.checkpoint_every:
             options["checkpoint_every"] = args.checkpoint_every
-        sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
+        folder = str(path.resolve().parent)
+        sys.path.insert(0, folder)  # the file's own helper modules
 
         session._set(repl, None)
         set_source(path.resolve())  # the run store names the script as the runs' source
@@ -90,7 +91,6 @@ def run_file(args) -> int:
         # boundary, keeping the history and the checkpoint; a second one aborts.
         signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
         if ships_the_file:
-            folder = str(path.resolve().parent)
             setup = CellSetup(source, namespace, filename=str(path), import_paths=(folder,))
             run = repl.train(setup=setup, steps=args.steps, **options)
         else:
@@ -121,14 +121,14 @@ def scale_file(args) -> int:
     backend = registry.spec(args.backend)
     if backend.takes_replicas:  # devices of this process (a machine with GPUs keeps its GPUs)
         tf_setup.configure_devices(cpus=args.cpus or max(8, *counts))
-    sys.path.insert(0, str(path.resolve().parent))  # the file's own helper modules
     # A fresh namespace per configuration; the source (not a code object) so that it also
-    # travels to worker processes, and the file's name so tracebacks and AutoGraph find it.
+    # travels to worker processes, and the file's name so tracebacks and AutoGraph find it. Its
+    # folder goes first on the import path wherever it runs, this process included (its helpers).
     setup = CellSetup(
         path.read_text(),
         {"__file__": str(path.resolve())},
         filename=str(path),
-        import_paths=(str(path.resolve().parent),),  # its helper modules, in worker processes too
+        import_paths=(str(path.resolve().parent),),
     )
     options = {backend.threads_option: args.threads} if backend.threads_option and args.threads else {}
     try:
