@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench._src.core.run_stats import figures, fmt, last_metrics, shown_reason
+from workbench._src.core.tracebacks import plain, readable, shown_text
 
 _source_override: str | None = None  # set by `workbench run FILE.py` (set_source)
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Run of this process
@@ -328,17 +329,19 @@ class Run:
             self._done.set()
 
     def _fail(self, error: BaseException) -> None:
-        """Ends the run as failed with `error`, which then carries this run (`error.run`)."""
-        self.error = error
+        """Ends the run as failed with `error`, which then carries this run (`error.run`).
+
+        What is kept (and re-raised) is the error's cause, with the researcher's frames only
+        (core/tracebacks.py): the reason every view shows starts with the cause's own sentence.
+        """
+        error = self.error = readable(error)
         if getattr(error, "run", None) is None:
             try:
                 error.run = self  # the history up to the failure travels with the error
             except AttributeError:  # a built-in exception that takes no attributes
                 pass
-        import traceback
-
-        details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        self._end("failed", f"{type(error).__name__}: {error}", details=details[-20000:])
+        reason = plain(f"{type(error).__name__}: {error}")
+        self._end("failed", reason, details=shown_text(error)[-20000:])
 
     def _repr_html_(self):
         import html
