@@ -124,6 +124,7 @@ def _user_entries(tb) -> list[types.TracebackType]:
 
 
 # A frame in AutoGraph's "in user code:" listing: '    File "/tmp/ipykernel_1/2.py", line 7, in step_fn  *'
+_AUTOGRAPH_WRAPPER = "in user code:"
 _LISTED = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)', re.M)
 
 
@@ -143,14 +144,18 @@ def user_traceback(error: BaseException) -> types.TracebackType | None:
             seen.add(key)
             entries.append(entry)
 
-    for link in _chain(error):
+    chain = _chain(error)
+    for link in chain:
         for entry in _user_entries(link.__traceback__):
             add(entry)
-    listed = [m for m in _LISTED.finditer(plain(str(error))) if is_user_frame(m["file"])]
-    for match in listed:
-        key = (match["file"], int(match["line"]), match["name"])
-        if key not in seen:
-            add(_stand_in(*key))
+    for link in chain:
+        text = plain(str(link))
+        if not text.lstrip().startswith(_AUTOGRAPH_WRAPPER):
+            continue
+        for match in _LISTED.finditer(text):
+            key = (match["file"], int(match["line"]), match["name"])
+            if is_user_frame(key[0]) and key not in seen:
+                add(_stand_in(*key))
     return _relink(entries)
 
 
@@ -213,10 +218,38 @@ def shown_text(error: BaseException) -> str:
     if full_tracebacks():
         return plain("".join(traceback.format_exception(error)))
     inner = innermost(error)
-    frames = traceback.format_list(traceback.extract_tb(user_traceback(error)))
+    frames = format_frames(user_traceback(error))
     head = "Traceback (most recent call last):\n" if frames else ""
     tail = "".join(traceback.format_exception_only(inner))
-    return plain(head + "".join(frames) + tail)
+    return plain(head + frames + tail)
+
+
+def format_frames(tb) -> str:
+    """'  File "...", line N, in name' and its source line for each entry, as Python prints
+    them; the line of a cell shipped to a worker process comes from `remember_source`."""
+    out = []
+    for frame in traceback.extract_tb(tb):
+        out.append(f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n')
+        line = frame.line or _remembered_line(frame.filename, frame.lineno)
+        if line:
+            out.append(f"    {line.strip()}\n")
+    return "".join(out)
+
+
+_sources: dict[str, list[str]] = {}  # "<%%replicate cell>" -> its lines, in a worker process
+
+
+def remember_source(filename: str, source: str) -> None:
+    """Keeps the lines of source run under a name that is no file (a cell shipped to a worker),
+    for the lines its tracebacks show. (Not in linecache: AutoGraph would then convert the
+    cell's functions, which the worker processes do not do today.)"""
+    if filename.startswith("<"):
+        _sources[filename] = source.splitlines()
+
+
+def _remembered_line(filename: str, lineno: int) -> str:
+    lines = _sources.get(filename, [])
+    return lines[lineno - 1] if 0 < lineno <= len(lines) else ""
 
 
 def _ipython_traceback(error: BaseException) -> list[str]:

@@ -26,6 +26,7 @@ from workbench._src.core.cells import CELL_FILENAME, execute_source, functions_d
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
 from workbench._src.core.tf_setup import tf
+from workbench._src.core.tracebacks import cause_line, shown_text
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
@@ -233,4 +234,7 @@ def format_exception(error: BaseException) -> dict:
         "message": str(error),
         "task": getattr(error, "task", None),  # a WorkerError's process, e.g. "ps 0"
         "traceback": "".join(traceback.format_exception(error)),
+        # The cause's own sentence and the frames of the user's code, for the notebook's first line
+        "cause": cause_line(error),
+        "shown": shown_text(error),
     }

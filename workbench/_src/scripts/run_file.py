@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import sys
-import traceback
 from pathlib import Path
 
 from workbench._src.backends import registry
@@ -21,6 +20,7 @@ from workbench._src.core import tf_setup
 from workbench._src.core.cluster_resolver import checked_tf_config_env, cluster_resolver
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
+from workbench._src.core.tracebacks import cause_line, shown_text
 from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.shipping import CellSetup
 from workbench._src.notebook import session
@@ -156,7 +156,7 @@ def _report_failure(error: Exception, args) -> int:
     written up to the failure, then TensorFlow's details for anything that is not ours."""
     failed = getattr(error, "run", None)
     where = f" after step {failed.steps}" if failed is not None else ""  # (in a fused chunk: somewhere after)
-    first, *rest = (str(error) or type(error).__name__).splitlines() or [""]
+    first = cause_line(error)  # the innermost error's own sentence, not a wrapper's first line
     # (Ours already says what failed; only TensorFlow's errors are read for a lost peer.)
     peer = None if isinstance(error, WorkbenchError) else _lost_peer(error, args)
     if isinstance(error, WorkbenchError):
@@ -167,13 +167,13 @@ def _report_failure(error: Exception, args) -> int:
             file=sys.stderr,
         )
     else:
-        print(f"workbench run: the run failed{where}: {type(error).__name__}: {first}", file=sys.stderr)
+        print(f"workbench run: the run failed{where}: {first}", file=sys.stderr)
     if args.history and failed is not None:  # the rows up to the failure are kept
         failed.history.to_csv(args.history, index=False)
         print(f"workbench run: history up to step {failed.steps}: {args.history}", file=sys.stderr)
     if not isinstance(error, WorkbenchError):
-        print("--- details ---", file=sys.stderr)
-        traceback.print_exception(error, file=sys.stderr)
+        print("--- details ---", file=sys.stderr)  # the file's frames (every one: WORKBENCH_TRACEBACKS=full)
+        print(shown_text(error), file=sys.stderr, end="")
     return 2 if isinstance(error, ConfigurationError) else 1
 
 
