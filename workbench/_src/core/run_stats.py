@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
+
+from workbench._src.core.tracebacks import plain
 
 WINDOW_SECONDS = 10.0
 # Columns that are bookkeeping, not metrics (never plotted or listed as a metric).
@@ -205,10 +208,9 @@ def shown_reason(status: str | None, reason: str | None) -> str | None:
     'interrupted at step 12' -> 'interrupted'; anything else (an error, "input exhausted ...")
     is kept.
     """
-    import re
-
     if not reason:
         return None
+    reason = plain(reason)  # (no terminal escape codes reach the sidebar or a table)
     match = re.fullmatch(r"(stopped|interrupted) at step [\d,]+", reason.strip())
     if match:
         return None if match.group(1) == status else match.group(1)

@@ -136,12 +136,17 @@ def user_traceback(error: BaseException) -> types.TracebackType | None:
     A function AutoGraph converted ran as a generated copy, so no frame of the original exists;
     AutoGraph's listing names the original lines, and each becomes a stand-in frame there.
     """
-    entries, seen = [], set()
+    entries, seen, at = [], set(), {}
 
     def add(entry) -> None:
         key = (entry.tb_frame.f_code.co_filename, entry.tb_lineno, entry.tb_frame.f_code.co_name)
-        if key not in seen:
-            seen.add(key)
+        if key in seen:
+            return
+        seen.add(key)
+        if id(entry.tb_frame) in at:  # one frame, met again deeper: the line the cause was raised on
+            entries[at[id(entry.tb_frame)]] = entry
+        else:
+            at[id(entry.tb_frame)] = len(entries)
             entries.append(entry)
 
     chain = _chain(error)

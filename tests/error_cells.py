@@ -1,0 +1,48 @@
+"""The three mistakes of the "errors-readable" check, as a researcher types them in
+`%%replicate` cells (mirrored x2), and what the first line of each error must name."""
+
+HEADER = "%%replicate --backend mirrored --replicas 2 --steps 5 --no-live\n"
+
+# (a) A model built for 32 features, fed digits' 64.
+WRONG_FEATURES = """import tensorflow as tf, keras
+from sklearn.datasets import load_digits
+X, Y = load_digits(return_X_y=True)
+model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
+opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
+def input_fn(ctx):
+    return tf.data.Dataset.from_tensor_slices((X.astype("float32"), Y)).repeat().batch(64)
+def step_fn(x, y):
+    with tf.GradientTape() as tape:
+        logits = model(x, training=True)
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    return {"loss": loss}
+"""
+
+# (b) input_fn returning a Python list.
+LIST_INPUT = """import tensorflow as tf
+w = tf.Variable(1.0)
+def input_fn(ctx):
+    return [tf.ones([8, 2]), tf.ones([8])]
+def step_fn(x, y):
+    return {"loss": tf.reduce_mean(x) * w}
+"""
+
+# (c) A misspelt name inside step_fn.
+MISSPELT_NAME = """import tensorflow as tf
+w = tf.Variable(1.0)
+def input_fn(ctx):
+    return tf.data.Dataset.from_tensor_slices((tf.ones([64, 2]), tf.ones([64]))).repeat().batch(8)
+def step_fn(x, y):
+    loss = tf.reduce_mean(x) * w
+    w.assign_sub(learning_rat * loss)
+    return {"loss": loss}
+"""
+
+# name -> (cell body, a regex the error message's first line matches, a line of the cell the
+# shown traceback points at, or None when the mistake is found before step_fn runs)
+CASES = {
+    "wrong_features": (WRONG_FEATURES, r"incompatible|expected axis -1", "logits = model(x, training=True)"),
+    "list_input": (LIST_INPUT, r"input_fn", None),
+    "misspelt_name": (MISSPELT_NAME, r"learning_rat", "w.assign_sub(learning_rat * loss)"),
+}
