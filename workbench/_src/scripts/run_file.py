@@ -25,7 +25,7 @@ from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.shipping import CellSetup
 from workbench._src.notebook import session
 from workbench._src.scripts import serve_task
-from workbench._src.sinks.progress import ProgressPrinter
+from workbench._src.sinks.progress import ProgressPrinter, say
 from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
 
 
@@ -63,7 +63,11 @@ def run_file(args) -> int:
             from workbench._src.launch import fork_server
 
             fork_server.prestart()  # its TensorFlow import starts now, while this process goes on
+        if not (backend.in_processes and not args.cluster):
+            say(f"importing TensorFlow, then running {path.name}...")  # (seconds of silence otherwise)
         repl = _make_replicator(args)
+        if backend.in_processes and not args.cluster:
+            say(f"starting {_processes(repl)}; each imports TensorFlow and runs {path.name}...")
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         # Processes this one starts (locally or on Ray) run the file themselves: it runs only there,
         # as the notebook's cell would without the notebook's copy of the model, which a script
@@ -119,6 +123,10 @@ def scale_file(args) -> int:
     counts = args.replicas  # a list: options.replica_counts parsed it
 
     backend = registry.spec(args.backend)
+    say(
+        f"importing TensorFlow, then timing {args.steps} steps at each of {len(counts)} replica counts "
+        f"({','.join(map(str, counts))}), each compiled first..."
+    )
     if backend.takes_replicas:  # devices of this process (a machine with GPUs keeps its GPUs)
         tf_setup.configure_devices(cpus=args.cpus or max(8, *counts))
     # A fresh namespace per configuration; the source (not a code object) so that it also
@@ -246,6 +254,16 @@ def _check_options(args) -> None:
 def _on_ray(args) -> bool:
     """--cluster ray[=ADDRESS]: this process places the workers on a Ray cluster (no TF_CONFIG)."""
     return bool(args.cluster) and args.cluster.partition("=")[0].strip() == "ray"
+
+
+def _processes(repl) -> str:
+    """'4 processes (2 workers, 1 parameter server, a coordinator)': what a run here starts."""
+    coordinators = sum(task.role == "coordinator" for task in repl.plan.tasks())
+    workers, ps = repl.plan.num_workers, getattr(repl.plan, "num_ps", 0)
+    parts = [f"{workers} worker{'s' * (workers != 1)}"]
+    parts += [f"{ps} parameter server{'s' * (ps != 1)}"] if ps else []
+    parts += ["a coordinator"] if coordinators else []
+    return f"{workers + ps + coordinators} processes ({', '.join(parts)})"
 
 
 def _make_replicator(args):

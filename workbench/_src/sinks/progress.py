@@ -7,6 +7,12 @@ import time
 from workbench._src.core.run_stats import RESERVED, describe, figures
 
 
+def say(text: str) -> None:
+    """A line saying what a command does next, before seconds without output (an import of
+    TensorFlow, processes starting, the first trace), as the progress lines are printed."""
+    print(f"[workbench] {text}", flush=True)
+
+
 class ProgressPrinter:
     """One line per second at most: steps of the run, metrics, and the run's figures (the same
     definitions as every other view: workbench/_src/core/run_stats.py)."""
@@ -18,7 +24,9 @@ class ProgressPrinter:
 
     def __call__(self, event) -> None:
         if event.kind == "message":
-            print(f"[workbench] {event.data.get('text')}", flush=True)
+            say(event.data.get("text"))
+        if event.kind == "started":  # the first call traces step_fn: seconds before step 1
+            say("compiling step_fn (its first call traces it) and running the first steps...")
         if event.kind != "metrics" or not event.data["rows"]:
             return
         for row in event.data["rows"]:
