@@ -1,0 +1,60 @@
+"""Loose ends a researcher trips on (issue 41), each as it happens in the notebook: the panel's
+line pastes, a background run's repr follows the run, "#best" finds the runs tagged best, the
+delete request names the runs, one median everywhere."""
+
+import itertools
+
+import pytest
+from IPython.core import magic_arguments
+from notebook_toy import TOY_CELL, ipython_shell, isolated_notebook_state
+
+from workbench._src.backends import registry
+from workbench._src.notebook.magics import ReplicateMagics, strip_comment
+from workbench._src.notebook.panel import equivalent_magic
+
+
+@pytest.fixture
+def ip(tmp_path):
+    shell = ipython_shell()
+    with isolated_notebook_state(tmp_path / "runs"):
+        for name in ("step_fn", "input_fn", "repl"):
+            shell.user_ns.pop(name, None)
+        yield shell
+
+
+def _panel_choices():
+    """Every choice the panel's widgets offer (its counts' bounds, its cluster options)."""
+    for name, spec in registry.BACKENDS.items():
+        if spec.unavailable_reason():
+            continue  # (its button is disabled)
+        for replicas, workers, ps, cluster in itertools.product(
+            (1, 2, 8), (1, 2, 256), (1, 64), ("", "ray", "ray=local", "ray=10.0.0.1:6379")
+        ):
+            yield name, replicas, workers, ps, cluster
+
+
+def test_every_line_the_panel_offers_goes_through_the_magics_parser_and_checks():
+    lines = {equivalent_magic(*choice, steps=300) for choice in _panel_choices()}
+    assert len(lines) > 20
+    for line in lines:
+        magic, rest = line.split(" ", 1)
+        args = magic_arguments.parse_argstring(ReplicateMagics.replicate, strip_comment(rest))
+        spec = registry.spec(args.backend)
+        registry.check_counts(spec, args.replicas, args.workers, args.ps)
+        registry.check_cluster(spec, args.cluster)
+        assert args.steps == 300 and args.background, line
+        if spec.in_processes:  # the model is built in each process: the cell that builds it
+            assert magic == "%%replicate" and not args.functions, line
+        else:  # the notebook's functions, trained as Run trains them
+            assert magic == "%replicate" and args.functions == ["step_fn", "input_fn"], line
+
+
+@pytest.mark.parametrize("backend, replicas", [("single", 1), ("mirrored", 2)])
+def test_the_panels_line_pasted_into_a_cell_trains(ip, backend, replicas):
+    # The researcher's model, built (and tried for a step) by a %%replicate cell on this choice.
+    counts = f" --replicas {replicas}" if replicas > 1 else ""
+    ip.run_cell_magic("replicate", f"--backend {backend}{counts} --steps 1 --no-live", TOY_CELL)
+    line = equivalent_magic(backend, replicas, 2, 1, steps=20)
+    run = ip.run_line_magic("replicate", line.split(" ", 1)[1] + " --no-live")
+    run.wait(120)
+    assert run.status == "finished" and run.steps == 20
