@@ -58,3 +58,32 @@ def test_the_panels_line_pasted_into_a_cell_trains(ip, backend, replicas):
     run = ip.run_line_magic("replicate", line.split(" ", 1)[1] + " --no-live")
     run.wait(120)
     assert run.status == "finished" and run.steps == 20
+
+
+def test_a_background_runs_output_becomes_its_summary_when_it_ends(ip):
+    from IPython.utils.capture import capture_output
+
+    ip.run_cell_magic("replicate", "--backend single --steps 1 --no-live", TOY_CELL)
+    with capture_output() as shown:
+        result = ip.run_cell("%replicate step_fn input_fn --steps 200 --background --no-live")
+        run = result.result
+        run.wait(120)
+    first, *updates = [o for o in shown.outputs if "wb.Run" in o.data.get("text/html", "")]
+    assert "training in the background" in first.data["text/html"]
+    assert updates and "training in the background" not in updates[-1].data["text/html"]
+    assert "finished" in updates[-1].data["text/html"] and "200" in updates[-1].data["text/html"]
+    # An ended run (and a foreground one) is a plain result, drawn from its _repr_html_.
+    assert not hasattr(run, "_ipython_display_") and "finished" in run._repr_html_()
+
+
+def test_a_failed_background_runs_output_says_why(ip):
+    from IPython.utils.capture import capture_output
+
+    ip.run_cell_magic("replicate", "--backend single --steps 1 --no-live", TOY_CELL)
+    ip.run_cell("def broken(x, y):\n    return {'loss': learning_rat * 2.0}")
+    with capture_output() as shown:
+        run = ip.run_cell("%replicate broken input_fn --steps 20 --background --no-live").result
+        with pytest.raises(NameError):
+            run.wait(120)
+    last = [o for o in shown.outputs if "wb.Run" in o.data.get("text/html", "")][-1].data["text/html"]
+    assert "failed" in last and "learning_rat" in last and "training in the background" not in last

@@ -343,10 +343,21 @@ class Run:
         reason = plain(f"{type(error).__name__}: {error}")
         self._end("failed", reason, details=shown_text(error)[-20000:])
 
+    @property
+    def _ipython_display_(self):
+        """IPython's display hook, there only while the run trains in the background: its output
+        then becomes its summary when it ends (core/run_display.py). Any other run is a plain
+        result (an AttributeError here is how IPython hears "no such hook")."""
+        if self.status in ENDED_STATUSES or self._thread is None:
+            raise AttributeError("_ipython_display_")
+        from workbench._src.core.run_display import display_run
+
+        return lambda: display_run(self)
+
     def _repr_html_(self):
         import html
 
-        if not self.ended and self._thread is not None:
+        if self.status not in ENDED_STATUSES and self._thread is not None:
             # Shown once when the cell ends and never refreshed: no frozen "running, steps 0".
             return (
                 f"<b>wb.Run</b> {html.escape(self.name)}: training in the background "
