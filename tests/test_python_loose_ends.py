@@ -87,3 +87,37 @@ def test_a_failed_background_runs_output_says_why(ip):
             run.wait(120)
     last = [o for o in shown.outputs if "wb.Run" in o.data.get("text/html", "")][-1].data["text/html"]
     assert "failed" in last and "learning_rat" in last and "training in the background" not in last
+
+
+def test_one_median_in_the_study_table_the_sidebar_the_run_store_and_the_figure(tmp_path):
+    import tensorflow as tf
+
+    import workbench as wb
+    from workbench._src.core.run_stats import median_rate
+    from workbench._src.sinks import labcomm
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensors(tf.ones([ctx.global_batch_size, 8])).repeat()
+
+    with isolated_notebook_state(tmp_path / "runs"):
+        watchers = {}
+        study = wb.scaling_study(
+            lambda x: {"s": tf.reduce_sum(x)}, input_fn, replicas=[1, 2], steps=40, warmup=2,
+            steps_per_execution=1, batch_size=16, live=False,
+        )  # fmt: skip
+        table = study.table.set_index("replicas")
+        stored = wb.compare_runs([run.id for run in study.runs.values()]).table.set_index("id")
+        for n, run in study.runs.items():
+            watchers[n] = labcomm._RunWatcher(run)
+            run.subscribe(watchers[n])  # the sidebar's card, from the run's events
+            card = watchers[n].info()["median_examples_per_sec"]
+            exact = median_rate(run.history["examples_per_sec"])
+            assert len(run.history) % 2 == 0  # (an even count: the two middle steps' mean)
+            assert table.loc[n, "median_step_examples_per_sec"] == pytest.approx(exact, rel=1e-9)
+            assert table.loc[n, "step_time_median_s"] == pytest.approx(16 * n / exact, rel=1e-9)
+            for shown in (
+                card,
+                stored.loc[run.id, "median_examples_per_sec"],
+                run.summary()["median_examples_per_sec"],
+            ):
+                assert shown == pytest.approx(exact, rel=5e-4)  # (4 significant digits shown)
