@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import sysconfig
 import traceback
 import types
@@ -52,7 +53,7 @@ def plain(text: str) -> str:
 def is_user_frame(filename: str) -> bool:
     """Whether a frame in `filename` is the researcher's: not the workbench's, not TensorFlow's,
     Keras's, IPython's or the standard library's (a notebook cell, a script, their own modules)."""
-    if not filename or filename.startswith("<frozen"):
+    if not filename or filename.startswith(("<frozen", "<decorator-gen")):
         return False
     path = os.path.abspath(filename) if not filename.startswith("<") else filename
     if path.startswith(_PACKAGE + os.sep) or "__autograph_generated_file" in path:
@@ -202,11 +203,17 @@ def readable(error: BaseException) -> BaseException:
                 except AttributeError:
                     pass
     shown = shown.with_traceback(tb)
-    try:
-        shown._render_traceback_ = lambda: _ipython_traceback(shown)
-    except AttributeError:  # an exception class with __slots__: IPython shows it as it is
-        pass
+    if _in_ipython():
+        try:  # (only where IPython shows it: a worker's error stays a plain, picklable one)
+            shown._render_traceback_ = functools.partial(_ipython_traceback, shown)
+        except AttributeError:  # an exception class with __slots__: IPython shows it as it is
+            pass
     return shown
+
+
+def _in_ipython() -> bool:
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
 
 
 def cause_line(error: BaseException) -> str:
