@@ -31,7 +31,8 @@ from typing import Protocol
 from workbench._src.core.checkpoints import with_checkpoint_hint
 from workbench._src.core.errors import InputError, NonFiniteError
 from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
-from workbench._src.core.run import Run
+from workbench._src.core.resume import steps_to_run
+from workbench._src.core.run import NO_STOP, PREEMPT, Run
 from workbench._src.core.run_options import RunOptions
 from workbench._src.sinks import attach_default_sinks
 
@@ -111,7 +112,8 @@ class Executor(Protocol):
     replicas_per_step: int  # metric rows arrive summed over this many replicas
 
     def start(self, run: Run) -> None: ...
-    def agree(self, k: int, stop: bool) -> tuple[int, bool]: ...  # one k and stop for all processes
+    # One k and stop kind (run.NO_STOP / STOP / PREEMPT: the most urgent wins) for all processes.
+    def agree(self, k: int, stop: int) -> tuple[int, int]: ...
     def submit(self, k: int): ...  # starts a chunk of k steps; returns a handle
     def collect(self, handle): ...  # (rows, steps run), or None when lost with a dead worker
     def parallelism(self) -> int: ...
@@ -121,7 +123,7 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def no_agreement(k: int, stop: bool) -> tuple[int, bool]:
+def no_agreement(k: int, stop: int) -> tuple[int, int]:
     return k, stop
 
 
@@ -136,7 +138,7 @@ class InProcessExecutor:
     max_in_flight = 1
     rate_window_seconds = 0.0  # each chunk's own time gives its throughput
 
-    def __init__(self, program, agree: Callable[[int, bool], tuple[int, bool]] = no_agreement):
+    def __init__(self, program, agree: Callable[[int, int], tuple[int, int]] = no_agreement):
         self.program = program
         self.agree = agree
         self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
@@ -176,6 +178,7 @@ class ChunkLoop:
         self.fixed_k = None if opts.steps_per_execution == "auto" else opts.steps_per_execution
         self.reduce = opts.reduce or {}
         self.recent: collections.deque = collections.deque()  # (time, examples) for windowed rates
+        self.steps = opts.steps  # fewer when a resumed run finishes the run it continues
 
     def execute(self, run: Run) -> tuple[str, str | None]:
         try:
@@ -193,23 +196,34 @@ class ChunkLoop:
         finally:
             self.executor.close()
         if self.saver and status != "non-finite":
+            if status != "preempted":  # (a preempted run's checkpoint keeps its goal: it is resumed)
+                self.saver.goal_step = 0
             self._save(final=True)
         return status, reason
 
     def _restore(self) -> None:
         run, saver = self.run, self.saver
         self.executor.start(run)
-        if saver:
-            restored = saver.restore_if_any()
-            if restored is not None:
-                run.publish("message", text=f"resumed from checkpoint at step {restored}: {saver.directory}")
+        if not saver:
+            return
+        restored = saver.restore_if_any()
+        if restored is None:
+            return
+        run.publish("message", text=f"resumed from checkpoint at step {restored.step}: {saver.directory}")
+        for note in restored.notes:  # said once, where the resume happens
+            warnings.warn(f"{run.name}: {note}.", RuntimeWarning, stacklevel=2)
+            run.publish("message", text=note)
+        self.steps, said = steps_to_run(self.opts.steps, restored.step, restored.goal_step, restored.asked_steps)
+        if said:
+            run.config["steps"] = self.steps
+            run.publish("message", text=said)
 
     def _warm_up(self) -> None:
         """`opts.warmup` steps before the recorded ones: the first call (one step) traces and is
         timed as compile_seconds; the rest run in one chunk. Workers agree on both, as always."""
         remaining, first = self.opts.warmup, True
         while remaining:
-            k, _ = self.executor.agree(1 if first else remaining, False)
+            k, _ = self.executor.agree(1 if first else remaining, NO_STOP)
             started = time.perf_counter()
             result = self.executor.collect(self.executor.submit(k))
             if result is None:  # lost with a dead worker: run it again
@@ -227,7 +241,9 @@ class ChunkLoop:
     def _loop(self) -> tuple[str, str | None]:
         run, program, executor = self.run, self.program, self.executor
         first_step = program.steps_done
-        target = first_step + self.opts.steps
+        target = first_step + self.steps
+        if self.saver:  # a checkpoint says what this run is training towards (core/resume.py)
+            self.saver.goal_step, self.saver.asked_steps = target, self.opts.steps
         scheduled = first_step
         in_flight: collections.deque = collections.deque()  # (handle, chunk, submitted at)
         k = self.fixed_k or 1
@@ -244,8 +260,11 @@ class ChunkLoop:
                 chunk = min(k, target - scheduled, self._steps_to_next_checkpoint(scheduled))
                 # The stop request goes through the agreement too: every worker of a multi-worker
                 # run must make the same number of agreements and stop at the same step.
-                chunk, stopping = executor.agree(chunk, run.stop_requested)
+                chunk, stop_kind = executor.agree(chunk, run.stop_kind)
+                stopping = stop_kind != NO_STOP
                 if stopping:
+                    if stop_kind == PREEMPT and not run._preempted:
+                        run.preempt("another process of the run was preempted")
                     run.stop()  # (another worker may have asked: stop here too)
                     break
                 submitted = time.perf_counter()  # before: an in-process submit runs the chunk
@@ -301,6 +320,8 @@ class ChunkLoop:
                 and program.steps_done % self.opts.checkpoint_every == 0
                 and status != "non-finite"  # (never save the non-finite weights)
             ):
+                if program.steps_done >= target:  # the goal is reached: nothing left unfinished
+                    self.saver.goal_step = 0
                 self._save()
             if self.fixed_k is None and not first_call and done:
                 if executor.max_in_flight > 1:
@@ -322,6 +343,16 @@ class ChunkLoop:
             first_call = False
         if status == "finished" and not reason and stopping and program.steps_done < target:
             status, reason = "stopped", run.stopped_reason(program.steps_done - first_step)
+            if run._preempted:
+                status = "preempted"
+                reason = (
+                    f"preempted at step {program.steps_done - first_step} ({run._preempted})"
+                    + (
+                        "; its checkpoint keeps the run's goal: run it again with the same steps to finish it"
+                        if self.saver
+                        else "; no checkpoint_dir was given, so nothing was saved"
+                    )
+                )
         return status, reason
 
     def _exhausted(self, ran: int) -> str:
