@@ -21,6 +21,7 @@ of a second.
 from __future__ import annotations
 
 import collections
+import os
 import signal
 import threading
 import time
@@ -185,7 +186,11 @@ class ChunkLoop:
             self._restore()
             self._warm_up()
             self.run.publish(
-                "started", name=self.run.name, config=self.run.config, first_step=self.program.steps_done + 1
+                "started",
+                name=self.run.name,
+                config=self.run.config,
+                first_step=self.program.steps_done + 1,
+                steps=self.steps,  # (fewer than asked when it finishes a resumed run)
             )
             status, reason = self._loop()
         except BaseException as error:  # noqa: BLE001 - save what we have, then fail the run
@@ -451,4 +456,51 @@ class _stop_on_sigint:
     def __exit__(self, *exc):
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+class PreemptOnSigterm:
+    """While a run goes: SIGTERM (a cluster manager or scheduler about to take the machine, a
+    `kill`) asks it to save at the next step boundary and end "preempted", as TensorFlow's
+    PreemptionCheckpointHandler does; the other processes of a multi-worker run learn it at that
+    boundary (the chunk agreement) and save with it. A second SIGTERM ends the process as usual.
+
+    A context manager installing the handler (only in the main thread: Ray runs actor calls in
+    others), and a sink: given no run, it takes the first run whose event it receives (a
+    script's foreground run, which exists only once train() has started).
+    """
+
+    sink_name = "the SIGTERM handler"
+
+    def __init__(self, cause: str = "SIGTERM", run: Run | None = None):
+        self.cause, self.run = cause, run
+        self.pending = False  # SIGTERM came before the run existed
+        self.previous = None
+
+    def send(self, event) -> None:
+        if self.run is None:
+            from workbench._src.core.run import live_run
+
+            self.run = live_run(event.run_id)
+            if self.pending and self.run is not None:
+                self.run.preempt(self.cause)
+
+    def _handle(self, signum, frame) -> None:
+        if self.pending or (self.run is not None and self.run._preempted):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the second: end as if we were not here
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.pending = True
+        if self.run is not None:
+            self.run.preempt(self.cause)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
         return False

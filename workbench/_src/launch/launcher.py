@@ -208,7 +208,7 @@ class _Watch:
             work = {"type": "work", "payload": self.payload, "run": self.number, "last": not self.pool.keep}
             self.channel.send(task, work)
             if self.stop_sent:  # a stop asked for before this process connected
-                self.channel.send(task, {"type": "stop", "run": self.number})
+                self.channel.send(task, self._stop_message())
         elif kind == "ready":
             self.ready.add(task)
             self.phases[task] = message.get("phases") or {}
@@ -255,7 +255,9 @@ class _Watch:
         if event_kind == "metrics":
             run.record_rows(data["rows"])
         elif event_kind == "started":
-            run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1))
+            steps = data.get("steps", run.config.get("steps"))
+            run.config["steps"] = steps  # (a resumed run that finishes its goal runs fewer)
+            run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps)
         elif event_kind in ("checkpoint", "message"):
             run.publish(event_kind, **data)
 
@@ -313,8 +315,13 @@ class _Watch:
         if self.timeout is not None and now - self.started > self.timeout:
             self._raise(f"the workers did not finish within timeout={self.timeout} s.", None)
         if self.run is not None and self.run.stop_requested and not self.stop_sent:
-            self.channel.broadcast({"type": "stop", "run": self.number})
+            self.channel.broadcast(self._stop_message())
             self.stop_sent = True
+
+    def _stop_message(self) -> dict:
+        """This run's stop; a preemption of this process (SIGTERM to `workbench run`) asks every
+        member to save at the next step boundary and end preempted."""
+        return {"type": "stop", "run": self.number, "preempt": self.run._preempted if self.run else None}
 
     def _idle_for(self, task: str, now: float) -> float:
         """Seconds since `task` last showed it is alive: a message from it, or CPU time it used
