@@ -110,12 +110,14 @@ NO_STOP, STOP, PREEMPT = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class Event:
     """Something that happened in a run. kind: started | metrics | checkpoint | message |
-    renamed | ended.
+    renamed | restart | ended.
 
     `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
     for metrics: {"rows": [ {step (from the run's start), wall_time, examples_per_sec,
     global_step (the program's), examples (this step's global batch), <metrics>}, ... ]};
-    for renamed: {"name", "tags"}.
+    for renamed: {"name", "tags"}; for restart (a heal, launch/heal.py): {"member", "cause",
+    "step" (the checkpoint's global step), "run_step" (the run's step the history was rewound
+    to: rows after it are dropped and come again), "lost_at", "seconds"}.
     """
 
     kind: str
@@ -316,6 +318,15 @@ class Run:
                     column.append(row.get(key, float("nan")))
                 self._rows += 1
         self.publish("metrics", rows=rows)
+
+    def _rewind(self, steps: int) -> None:
+        """Keeps the first `steps` rows (a healed run goes on from its checkpoint's step: the rows
+        after it are trained again, not kept twice). Sinks learn it from the "restart" event."""
+        with self._lock:
+            steps = max(0, min(steps, self._rows))
+            for column in self._columns.values():
+                del column[steps:]
+            self._rows = steps
 
     def rename(self, name: str) -> None:
         """Sets the name shown everywhere (wb.rename_run also renames it in the run store)."""

@@ -183,8 +183,12 @@ class ChunkLoop:
 
     def execute(self, run: Run) -> tuple[str, str | None]:
         try:
-            self._restore()
+            restored = self._restore()
             self._warm_up()
+            if self.opts.max_restarts and not restored:
+                # A run that heals itself keeps its start too: a member lost before the first
+                # periodic save resumes from here, not from weights the setup builds again.
+                self._save()
             self.run.publish(
                 "started",
                 name=self.run.name,
@@ -195,7 +199,9 @@ class ChunkLoop:
             status, reason = self._loop()
         except BaseException as error:  # noqa: BLE001 - save what we have, then fail the run
             error = self.executor.explain(error)
-            if self.executor.healthy():
+            # A save now holds whatever the failed chunk had applied before it failed, under the
+            # step count before it: a run that heals itself resumes from its last clean one.
+            if self.executor.healthy() and not self.opts.max_restarts:
                 self._save(final=True, failing=True)
             raise with_checkpoint_hint(error, self.saver) from None
         finally:
@@ -206,14 +212,15 @@ class ChunkLoop:
             self._save(final=True)
         return status, reason
 
-    def _restore(self) -> None:
+    def _restore(self) -> bool:
+        """Restores the latest checkpoint when there is one to resume; True if it did."""
         run, saver = self.run, self.saver
         self.executor.start(run)
         if not saver:
-            return
+            return False
         restored = saver.restore_if_any()
         if restored is None:
-            return
+            return False
         run.publish("message", text=f"resumed from checkpoint at step {restored.step}: {saver.directory}")
         for note in restored.notes:  # said once, where the resume happens
             warnings.warn(f"{run.name}: {note}.", RuntimeWarning, stacklevel=2)
@@ -222,6 +229,7 @@ class ChunkLoop:
         if said:
             run.config["steps"] = self.steps
             run.publish("message", text=said)
+        return True
 
     def _warm_up(self) -> None:
         """`opts.warmup` steps before the recorded ones: the first call (one step) traces and is
