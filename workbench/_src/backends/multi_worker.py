@@ -22,6 +22,7 @@ import tempfile
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
+from workbench._src.core.run import NO_STOP, PREEMPT, STOP
 from workbench._src.core.tf_setup import physical_gpu_count, tf
 from workbench._src.launch import runtime
 from workbench._src.launch.launcher import Task
@@ -245,7 +246,7 @@ class MultiWorkerReplicator(ProcessBackend):
             cluster_resolver=self._resolver, communication_options=options
         )
 
-    def _agree_on_chunk(self, steps: int, stop: bool) -> tuple[int, bool]:
+    def _agree_on_chunk(self, steps: int, stop: int) -> tuple[int, int]:
         if self.num_workers == 1:
             return steps, stop
         t = tf()
@@ -258,11 +259,15 @@ class MultiWorkerReplicator(ProcessBackend):
                 return t.distribute.get_replica_context().all_reduce("sum", t.identity(values))
 
             self._agree_fn = t.function(lambda values: strategy.run(replica_fn, args=(values,)))
-        # The chief proposes the chunk length; any worker may ask to stop.
-        mine = t.constant([1.0 if stop else 0.0, float(steps) if self.worker_id == 0 else 0.0])
+        # The chief proposes the chunk length; any worker may ask to stop, or to save and stop
+        # for a preemption (run.PREEMPT: the most urgent kind wins).
+        mine = t.constant(
+            [1.0 if stop else 0.0, float(steps) if self.worker_id == 0 else 0.0, 1.0 if stop == PREEMPT else 0.0]
+        )
         total = strategy.experimental_local_results(self._agree_fn(mine))[0].numpy()
         per_worker = strategy.num_replicas_in_sync / self.num_workers  # each local replica adds once
-        return int(round(total[1] / per_worker)), bool(total[0] > 0)
+        kind = PREEMPT if total[2] > 0 else STOP if total[0] > 0 else NO_STOP
+        return int(round(total[1] / per_worker)), kind
 
     def _checkpoint_write_directory(self, directory: str) -> str:
         # Every worker saves (the save is collective) but only the chief's copy is kept: the

@@ -25,6 +25,7 @@ from workbench._src.core.run_options import options_from
 from workbench._src.core.tracebacks import full_tracebacks
 from workbench._src.launch import pool as pools
 from workbench._src.launch import shipping
+from workbench._src.launch.heal import Healing, preempted_member_name
 
 # A local process whose heartbeat is late but that keeps using CPU is busy, not frozen: its
 # heartbeat thread cannot run while another thread holds Python's GIL in one long C call (a
@@ -38,6 +39,9 @@ BUSY_CPU_SHARE = 0.01  # a silent process using at least this share of one core 
 # good): that many timeouts of silence on an idle machine, longer on a loaded one, where a process
 # that gets a share of a core is not stuck (a -n 3 run's actor took 30 s for 8 CPU-s).
 BUSY_SILENCE_LIMIT = 6
+# TensorFlow's errors for a collective whose peer is gone (host down, link cut), when no process
+# of ours was seen to die: a member lost, not a mistake in the run's code.
+_PEER_LOST_ERRORS = ("UnavailableError", "AbortedError", "DeadlineExceededError")
 
 
 @dataclasses.dataclass
@@ -66,6 +70,7 @@ class Launcher:
         self.plan = plan
         self.last_processes: list[dict] = []  # role/index/pid of every process of the last launch
         self.pool = None  # the pool of the last launch (launch/pool.py)
+        self.healing = None  # the heals of the run going on (launch/heal.py)
 
     @property
     def startup_timeout(self) -> float:
@@ -81,18 +86,39 @@ class Launcher:
         (configured from `replicator`), with the chief's events relayed into it. The chief's
         trained weights come back into `local_variables` (the variables a cell made here)."""
         opts = options_from(steps, options)
-        work.steps, work.options = steps, opts.for_workers()
         run = new_run(replicator, work.step_fn, work.input_fn, opts)
+        healing = Healing(run, opts, opts.for_workers())
+        work.steps = steps
+
+        def attempt(run):
+            """One launch of the run; with max_restarts, a lost or preempted member heals it."""
+            while True:
+                work.options = dict(healing.options)
+                try:
+                    results = self.launch(work, run)
+                except WorkerError as error:
+                    if healing.lost_member(error):
+                        healing.heal(error.task, error.cause)
+                        continue  # (the failed pool was retired: the next launch starts a new one)
+                    if healing.scratch is None and "checkpoint" not in error.args[0]:
+                        # (an async coordinator's names it already; a temporary one is gone)
+                        saved = [e.data.get("path") for e in run.events if e.kind == "checkpoint"]
+                        error.args = (error.args[0] + checkpoint_hint(saved[-1] if saved else None),)
+                    raise
+                chief = results[self.chief]
+                if healing.preempted_member(chief):
+                    self.shutdown()  # the preempted member's machine is going away: new processes
+                    healing.heal(preempted_member_name(chief["reason"]), "preempted (SIGTERM)")
+                    continue
+                return chief
 
         def body(run):
+            self.healing = healing
             try:
-                results = self.launch(work, run)
-            except WorkerError as error:
-                if "checkpoint" not in error.args[0]:  # (an async coordinator's names it already)
-                    saved = [e.data.get("path") for e in run.events if e.kind == "checkpoint"]
-                    error.args = (error.args[0] + checkpoint_hint(saved[-1] if saved else None),)
-                raise
-            chief = results[self.chief]
+                chief = attempt(run)
+            finally:
+                self.healing = None
+                healing.close()
             run.compile_seconds = chief.get("compile_seconds")
             startup = getattr(run, "startup", None)
             if startup is not None:  # the rest of the start, measured in the chief
@@ -209,7 +235,7 @@ class _Watch:
             work = {"type": "work", "payload": self.payload, "run": self.number, "last": not self.pool.keep}
             self.channel.send(task, work)
             if self.stop_sent:  # a stop asked for before this process connected
-                self.channel.send(task, {"type": "stop", "run": self.number})
+                self.channel.send(task, self._stop_message())
         elif kind == "ready":
             self.ready.add(task)
             self.phases[task] = message.get("phases") or {}
@@ -254,9 +280,17 @@ class _Watch:
                 run.publish("message", text=f"{_label(task)}: {data.get('text')}")
             return
         if event_kind == "metrics":
-            run.record_rows(data["rows"])
+            healing = self.launcher.healing
+            rows = data["rows"]
+            if healing is not None:
+                if healing.step_offset:  # a healed attempt counts on from the step it resumed at
+                    rows = [{**row, "step": row["step"] + healing.step_offset} for row in rows]
+                healing.rows_arrived()
+            run.record_rows(rows)
         elif event_kind == "started":
-            run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1))
+            steps = data.get("steps", run.config.get("steps"))
+            run.config["steps"] = steps  # (a resumed run that finishes its goal runs fewer)
+            run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps)
         elif event_kind in ("checkpoint", "message"):
             run.publish(event_kind, **data)
 
@@ -277,6 +311,7 @@ class _Watch:
                 f"{_label(f'{child.role}:{child.index}')} ({child.where}) {child.exit_description()}"
                 f"{self._at_step()}; every process of the run was stopped.",
                 f"{child.role}:{child.index}",
+                cause=child.exit_description(),
             )
         timeout = self.launcher.heartbeat_timeout
         for task in self.tasks:
@@ -292,6 +327,7 @@ class _Watch:
                     f"{silent:.0f} s{idle} (frozen, stopped or starved){self._at_step()}; every process "
                     "of the run was stopped.",
                     task,
+                    cause=f"no heartbeat for {silent:.0f} s",
                 )
             busy_for = self._cpu_used_while_silent(task) if silent > BUSY_SILENCE_LIMIT * timeout else None
             if busy_for is not None and busy_for > BUSY_SILENCE_LIMIT * timeout:
@@ -301,6 +337,7 @@ class _Watch:
                     f"Python's GIL that long, or a loop that never returns){self._at_step()}; every process "
                     "of the run was stopped.",
                     task,
+                    cause=f"busy and silent for {silent:.0f} s",
                 )
         if len(self.ready) < len(self.tasks) and now - self.started > self.launcher.startup_timeout:
             missing = [t for t in self.tasks if t not in self.ready]
@@ -314,8 +351,13 @@ class _Watch:
         if self.timeout is not None and now - self.started > self.timeout:
             self._raise(f"the workers did not finish within timeout={self.timeout} s.", None)
         if self.run is not None and self.run.stop_requested and not self.stop_sent:
-            self.channel.broadcast({"type": "stop", "run": self.number})
+            self.channel.broadcast(self._stop_message())
             self.stop_sent = True
+
+    def _stop_message(self) -> dict:
+        """This run's stop; a preemption of this process (SIGTERM to `workbench run`) asks every
+        member to save at the next step boundary and end preempted."""
+        return {"type": "stop", "run": self.number, "preempt": self.run._preempted if self.run else None}
 
     def _idle_for(self, task: str, now: float) -> float:
         """Seconds since `task` last showed it is alive: a message from it, or CPU time it used
@@ -359,6 +401,7 @@ class _Watch:
                 f"coordination service stopped hearing from it){self._at_step()}; {_label(task)} then "
                 "failed, its collective aborted; every process of the run was stopped.",
                 unhealthy,
+                cause="stopped responding",
             )
         now = time.monotonic()
         for other in self.tasks:
@@ -369,6 +412,7 @@ class _Watch:
                     f"for {silent:.0f} s){self._at_step()}; {_label(task)} then failed: "
                     f"{message['summary']}",
                     other,
+                    cause=f"no heartbeat for {silent:.0f} s",
                 )
         self._report_errors(errors)
 
@@ -402,14 +446,23 @@ class _Watch:
             # as on an in-process backend, not a wrapper around it; the process named after it.
             raise kind(f"{error['message']}\n(raised in {_label(first)})")
         if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
-            raise WorkerError(error["message"], task=error.get("task") or _label(first))
+            raise WorkerError(error["message"], task=error.get("task") or _label(first), cause="lost")
+        summary = error["summary"]
+        if summary.startswith(_PEER_LOST_ERRORS):
+            # A collective that failed with no member seen to die: its peer's host or link is gone.
+            self._raise(
+                f"{_label(first)} failed{self._at_step()}: {summary}\n--- its traceback ---\n"
+                f"{_trim_traceback(error.get('traceback', ''))}",
+                None,
+                cause=summary.split(":")[0],
+            )
         # Any other error of the user's code: the process and the cause's own sentence first,
         # then the frames of their code in that process (every frame under WORKBENCH_TRACEBACKS=full).
         full = full_tracebacks() or not error.get("shown")
         shown = _trim_traceback(error.get("traceback", "")) if full else error["shown"].strip()
         raise WorkerError(
-            f"{_label(first)}: {error.get('cause') or error['summary']}\n--- {_label(first)}'s "
-            f"traceback ---\n{shown}\n(The {self.launcher.backend} run failed{self._at_step()}"
+            f"{_label(first)}: {error.get('cause') or summary}\n--- {_label(first)}'s traceback ---\n"
+            f"{shown}\n(The {self.launcher.backend} run failed{self._at_step()}"
             f"{'' if full else '; WORKBENCH_TRACEBACKS=full shows every frame'}.)",
             task=_label(first),
         )
@@ -421,14 +474,15 @@ class _Watch:
         role, index = task.split(":")
         return next(c for c in self.group.children if c.role == role and c.index == int(index))
 
-    def _raise(self, text: str, task: str | None) -> None:
+    def _raise(self, text: str, task: str | None, cause: str | None = None) -> None:
+        """Fails the launch; `cause`: how a member was lost (None: no member was lost)."""
         log = ""
         if task is not None:
             tail = self._child(task).log_tail()
             if tail:
                 log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
         backend = self.launcher.backend
-        raise WorkerError(f"{backend} run failed: {text}{log}", task=_label(task) if task else None)
+        raise WorkerError(f"{backend} run failed: {text}{log}", task=_label(task) if task else None, cause=cause)
 
 
 PHASES = ("spawn", "imports", "servers", "cluster join", "shipping")

@@ -23,6 +23,11 @@ class ProgressPrinter:
         self.every_row_counted = True  # each row said its examples (as the run's history keeps)
 
     def __call__(self, event) -> None:
+        if event.kind == "started" and event.data.get("steps") is not None:
+            self.steps = event.data["steps"]  # a resumed run that finishes its goal runs fewer
+        if event.kind == "restart":  # a heal: the steps after its checkpoint come again
+            for column in self.columns.values():
+                del column[event.data["run_step"] :]
         if event.kind == "message":
             say(event.data.get("text"))
         if event.kind == "started":  # the first call traces step_fn: seconds before step 1
