@@ -51,8 +51,10 @@ def test_each_mistake_leads_with_its_cause_and_shows_only_the_cells_frames(ip, c
     run = getattr(error, "run", None)
     if run is not None:  # the run's reason (summary line, run store, sidebar card) says it too
         assert re.search(cause, run.stop_reason.splitlines()[0]), run.stop_reason
-        details = run.events[-1].data["details"]
+        details = run.events[-1].data["details"]  # (the "details" toggle of the cell and card)
         assert "workbench/_src" not in details and "\x1b" not in details, details
+        if line is not None:
+            assert re.search(rf"Cell In\[\d+\], line \d+, in step_fn\n +{re.escape(line)}", details), details
 
 
 def test_full_tracebacks_show_every_frame_and_wrapper(ip, capsys, monkeypatch):

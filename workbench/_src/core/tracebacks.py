@@ -241,11 +241,19 @@ def format_frames(tb) -> str:
     them; the line of a cell shipped to a worker process comes from `remember_source`."""
     out = []
     for frame in traceback.extract_tb(tb):
-        out.append(f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}\n')
+        out.append(f"  {_where(frame.filename)}, line {frame.lineno}, in {frame.name}\n")
         line = frame.line or _remembered_line(frame.filename, frame.lineno)
         if line:
             out.append(f"    {line.strip()}\n")
     return "".join(out)
+
+
+def _where(filename: str) -> str:
+    """'Cell In[3]' for a notebook cell (as IPython names it), else 'File "path"'."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    named = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)(filename)
+    return f"{named[0]} {named[1]}" if named else f'File "{filename}"'
 
 
 _sources: dict[str, list[str]] = {}  # "<%%replicate cell>" -> its lines, in a worker process
