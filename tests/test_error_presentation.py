@@ -45,7 +45,7 @@ def test_each_mistake_leads_with_its_cause_and_shows_only_the_cells_frames(ip, c
     assert re.search(cause, first), first
     assert not first.startswith("in user code"), first
     assert "workbench/_src" not in text and "workbench/_src" not in str(error), text
-    assert text.strip().splitlines()[-1].startswith(f"{type(error).__name__}: {first}"), text
+    assert f"{type(error).__name__}: {first}" in text.splitlines(), text  # the cause, last shown
     if line is not None:  # the cell's own line in step_fn, where AutoGraph ran a copy of it
         assert re.search(rf"in step_fn\b.*\n(.*\n)*?-+> *\d+ +{re.escape(line)}", text), text
     run = getattr(error, "run", None)
@@ -122,3 +122,35 @@ def test_the_workbenchs_own_errors_are_never_unwrapped():
             raise ConfigurationError(f"steps must be positive; received: {e}") from None
     except ConfigurationError as error:
         assert tracebacks.readable(error) is error
+
+
+GRAPH_ERROR = """Graph execution error:
+
+Detected at node while/GatherV2 defined at (most recent call last):
+  File "/usr/lib/python3.11/threading.py", line 1002, in _bootstrap
+
+  File "/x/workbench/_src/core/program.py", line 89, in call_step_fn
+
+  File "/tmp/ipykernel_1/2.py", line 6, in step_fn
+
+Detected at node while/replica_1/GatherV2 defined at (most recent call last):
+  File "/tmp/ipykernel_1/2.py", line 6, in step_fn
+
+2 root error(s) found.
+  (0) INVALID_ARGUMENT:  indices[0] = 12 is not in [0, 10)
+\t [[{{node while/GatherV2}}]]
+  (1) INVALID_ARGUMENT:  indices[0] = 12 is not in [0, 10)
+0 successful operations.
+0 derived errors ignored. [Op:__inference__fused_graph_554]"""
+
+
+def test_tensorflows_runtime_error_texts_give_their_sentence():
+    from workbench._src.core.tf_messages import op_error_sentence
+
+    assert op_error_sentence(GRAPH_ERROR) == ("indices[0] = 12 is not in [0, 10)", "while/GatherV2")
+    one = "Graph execution error:\n\nDetected at node add defined at (most recent call last):\n"
+    one += '  File "a.py", line 1, in f\n\nIncompatible shapes: [3] vs. [4]\n\t [[{{node add}}]] [Op:__inference_f_9]'
+    assert op_error_sentence(one) == ("Incompatible shapes: [3] vs. [4]", "add")
+    eager = "{{function_node __wrapped__AddV2_device_/job:localhost/replica:0/task:0/device:CPU:0}} Incompatible shapes: [3] vs. [4] [Op:AddV2] name: "
+    assert op_error_sentence(eager) == ("Incompatible shapes: [3] vs. [4]", None)
+    assert op_error_sentence("name 'x' is not defined") is None

@@ -111,7 +111,9 @@ def test_multi_worker_fifteen_then_twenty_five_resumed_equal_forty_uninterrupted
     repl = wb.MultiWorkerReplicator(num_workers=2)
     repl.train(setup=mlp_setup, steps=40, checkpoint_dir=tmp_path / "whole")
     repl.train(setup=mlp_setup, steps=15, checkpoint_dir=tmp_path / "cut")
-    second = wb.MultiWorkerReplicator(num_workers=2).train(setup=mlp_setup, steps=25, checkpoint_dir=tmp_path / "cut")
+    second = wb.MultiWorkerReplicator(num_workers=2).train(
+        setup=mlp_setup, steps=25, checkpoint_dir=tmp_path / "cut"
+    )
     assert second.history["global_step"].tolist() == list(range(16, 41))
     _assert_same_checkpoints(tmp_path / "whole", tmp_path / "cut")
 

@@ -26,6 +26,7 @@ import traceback
 import types
 
 from workbench._src.core.errors import WorkbenchError
+from workbench._src.core.tf_messages import GRAPH_WRAPPER, op_error_sentence
 
 FULL_ENV = "WORKBENCH_TRACEBACKS"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -156,7 +157,7 @@ def user_traceback(error: BaseException) -> types.TracebackType | None:
             add(entry)
     for link in chain:
         text = plain(str(link))
-        if not text.lstrip().startswith(_AUTOGRAPH_WRAPPER):
+        if not text.lstrip().startswith((_AUTOGRAPH_WRAPPER, GRAPH_WRAPPER)):
             continue
         for match in _LISTED.finditer(text):
             key = (match["file"], int(match["line"]), match["name"])
@@ -202,12 +203,37 @@ def readable(error: BaseException) -> BaseException:
                     setattr(shown, attribute, getattr(error, attribute))
                 except AttributeError:
                     pass
+    shown = _tensorflow_sentence_first(shown) or shown
     shown = shown.with_traceback(tb)
     if _in_ipython():
         try:  # (only where IPython shows it: a worker's error stays a plain, picklable one)
             shown._render_traceback_ = functools.partial(_ipython_traceback, shown)
         except AttributeError:  # an exception class with __slots__: IPython shows it as it is
             pass
+    return shown
+
+
+def _is_op_error(error: BaseException) -> bool:
+    """A TensorFlow OpError (told by its fields: no TensorFlow import here)."""
+    return all(hasattr(error, name) for name in ("node_def", "op", "error_code"))
+
+
+def _tensorflow_sentence_first(error: BaseException) -> BaseException | None:
+    """A TensorFlow runtime error of the same class whose message is its sentence (and the node
+    TensorFlow detected it at), without the listing of frames before it; None if there is none."""
+    found = op_error_sentence(plain(str(error))) if _is_op_error(error) else None
+    if found is None:
+        return None
+    sentence, node = found
+    where = f"\n(TensorFlow detected it at node {node}.)" if node else ""
+    try:
+        shown = type(error)(error.node_def, error.op, sentence + where)
+    except Exception:  # noqa: BLE001 - a class built otherwise: shown as it is
+        return None
+    for attribute in ("run", "task"):
+        if getattr(error, attribute, None) is not None:
+            setattr(shown, attribute, getattr(error, attribute))
+    shown.__suppress_context__ = True
     return shown
 
 
@@ -220,7 +246,9 @@ def cause_line(error: BaseException) -> str:
     """'ValueError: Input 0 ... is incompatible ...': the innermost error's class and the first
     line of its own message, without escape codes."""
     inner = error if full_tracebacks() else innermost(error)
-    lines = [line for line in plain(str(inner)).splitlines() if line.strip()]
+    text = plain(str(inner))
+    found = op_error_sentence(text) if _is_op_error(inner) and not full_tracebacks() else None
+    lines = [found[0]] if found else [line for line in text.splitlines() if line.strip()]
     return f"{type(inner).__name__}: {lines[0].strip()}" if lines else type(inner).__name__
 
 
