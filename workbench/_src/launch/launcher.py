@@ -445,7 +445,7 @@ class _Watch:
             # as on an in-process backend, not a wrapper around it.
             raise kind(error["message"])
         if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
-            raise WorkerError(error["message"], task=error.get("task") or _label(first), cause="lost")
+            raise WorkerError(error["message"], task=error.get("task") or _label(first), cause="its server stopped answering")
         summary = error["summary"]
         # A collective that failed with no member seen to die: its peer's host or link is gone.
         lost = summary.startswith(_PEER_LOST_ERRORS)
