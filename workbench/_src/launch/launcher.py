@@ -287,6 +287,8 @@ class _Watch:
                 healing.rows_arrived()
             run.record_rows(rows)
         elif event_kind == "started":
+            if run.restarts:  # a healed attempt: the run started long ago, and its goal stays
+                return
             steps = data.get("steps", run.config.get("steps"))
             run.config["steps"] = steps  # (a resumed run that finishes its goal runs fewer)
             run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps)
