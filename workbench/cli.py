@@ -105,11 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
         options.STEPS.but(required=True),
         options.STEPS_PER_EXECUTION,
         options.CHECKPOINT,
+        options.CHECKPOINT_EVERY,
+        options.MAX_RESTARTS,
         options.NAME,
         options.TAGS,
-    )
-    run.add_argument(
-        "--checkpoint-every", type=options.positive_int, metavar="N", help="also save every N steps"
     )
     run.add_argument("--history", metavar="CSV", help="write the run's history to this CSV file")
     run.add_argument(

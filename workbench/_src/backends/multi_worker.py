@@ -182,6 +182,7 @@ class MultiWorkerReplicator(ProcessBackend):
             self._resolver  # noqa: B018 - a wrong cluster= is an error at construction
         self._agree_fn = None
         self._scratch = None  # a non-chief worker's checkpoint folder
+        self.preempted_workers: list[int] = []  # who asked, in the last chunk agreement, to save and stop
 
     @classmethod
     def from_replicas(cls, num_replicas=None, num_workers=None, devices_per_worker=None, **kwargs):
@@ -261,12 +262,20 @@ class MultiWorkerReplicator(ProcessBackend):
             self._agree_fn = t.function(lambda values: strategy.run(replica_fn, args=(values,)))
         # The chief proposes the chunk length; any worker may ask to stop, or to save and stop
         # for a preemption (run.PREEMPT: the most urgent kind wins).
+        # A preempted worker adds 2**worker_id, so the others can name it (exact in float32 up
+        # to 24 workers; past that they say only that one was).
         mine = t.constant(
-            [1.0 if stop else 0.0, float(steps) if self.worker_id == 0 else 0.0, 1.0 if stop == PREEMPT else 0.0]
+            [
+                1.0 if stop else 0.0,
+                float(steps) if self.worker_id == 0 else 0.0,
+                float(2**self.worker_id) if stop == PREEMPT and self.worker_id < 24 else 0.0,
+            ]
         )
         total = strategy.experimental_local_results(self._agree_fn(mine))[0].numpy()
         per_worker = strategy.num_replicas_in_sync / self.num_workers  # each local replica adds once
-        kind = PREEMPT if total[2] > 0 else STOP if total[0] > 0 else NO_STOP
+        preempted = int(round(total[2] / per_worker))
+        self.preempted_workers = [i for i in range(min(self.num_workers, 24)) if preempted >> i & 1]
+        kind = PREEMPT if preempted or (stop == PREEMPT) else STOP if total[0] > 0 else NO_STOP
         return int(round(total[1] / per_worker)), kind
 
     def _checkpoint_write_directory(self, directory: str) -> str:

@@ -277,7 +277,8 @@ class ChunkLoop:
                 stopping = stop_kind != NO_STOP
                 if stopping:
                     if stop_kind == PREEMPT and not run._preempted:
-                        run.preempt("another process of the run was preempted")
+                        who = getattr(program.replicator, "preempted_workers", None)
+                        run.preempt(f"worker {who[0]} was preempted" if who else "another process was preempted")
                     run.stop()  # (another worker may have asked: stop here too)
                     break
                 submitted = time.perf_counter()  # before: an in-process submit runs the chunk

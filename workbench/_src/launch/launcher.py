@@ -288,6 +288,8 @@ class _Watch:
                 healing.rows_arrived()
             run.record_rows(rows)
         elif event_kind == "started":
+            if run.restarts:  # a healed attempt: the run started long ago, and its goal stays
+                return
             steps = data.get("steps", run.config.get("steps"))
             run.config["steps"] = steps  # (a resumed run that finishes its goal runs fewer)
             run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps)
@@ -446,7 +448,7 @@ class _Watch:
             # as on an in-process backend, not a wrapper around it; the process named after it.
             raise kind(f"{error['message']}\n(raised in {_label(first)})")
         if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
-            raise WorkerError(error["message"], task=error.get("task") or _label(first), cause="lost")
+            raise WorkerError(error["message"], task=error.get("task") or _label(first), cause="its server stopped answering")
         summary = error["summary"]
         if summary.startswith(_PEER_LOST_ERRORS):
             # A collective that failed with no member seen to die: its peer's host or link is gone.

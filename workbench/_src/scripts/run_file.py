@@ -93,6 +93,8 @@ def run_file(args) -> int:
             options["checkpoint_dir"] = args.checkpoint
         if args.checkpoint_every:
             options["checkpoint_every"] = args.checkpoint_every
+        if args.max_restarts:
+            options["max_restarts"] = args.max_restarts
         folder = str(path.resolve().parent)
         sys.path.insert(0, folder)  # the file's own helper modules
 
