@@ -213,6 +213,11 @@ def readable(error: BaseException) -> BaseException:
     return shown
 
 
+# A lost or frozen peer's errors keep their whole text: it names the peer ("unhealthy (stopped
+# sending heartbeats): /job:worker/replica:0/task:1"), which the launcher and `workbench run` read.
+_PEER_ERRORS = ("UnavailableError", "AbortedError", "DeadlineExceededError", "CancelledError")
+
+
 def _is_op_error(error: BaseException) -> bool:
     """A TensorFlow OpError (told by its fields: no TensorFlow import here)."""
     return all(hasattr(error, name) for name in ("node_def", "op", "error_code"))
@@ -221,7 +226,9 @@ def _is_op_error(error: BaseException) -> bool:
 def _tensorflow_sentence_first(error: BaseException) -> BaseException | None:
     """A TensorFlow runtime error of the same class whose message is its sentence (and the node
     TensorFlow detected it at), without the listing of frames before it; None if there is none."""
-    found = op_error_sentence(plain(str(error))) if _is_op_error(error) else None
+    if not _is_op_error(error) or type(error).__name__ in _PEER_ERRORS:
+        return None
+    found = op_error_sentence(plain(str(error)))
     if found is None:
         return None
     sentence, node = found
@@ -248,6 +255,7 @@ def cause_line(error: BaseException) -> str:
     inner = error if full_tracebacks() else innermost(error)
     text = plain(str(inner))
     found = op_error_sentence(text) if _is_op_error(inner) and not full_tracebacks() else None
+    found = None if type(inner).__name__ in _PEER_ERRORS else found
     lines = [found[0]] if found else [line for line in text.splitlines() if line.strip()]
     return f"{type(inner).__name__}: {lines[0].strip()}" if lines else type(inner).__name__
 
