@@ -87,7 +87,7 @@ def _cpu_seconds(pid: int) -> float:
         (["run", TOY := os.path.join(os.path.dirname(__file__), "data", "toy_train.py"), "--steps", "5"],
          "importing TensorFlow, then running toy_train.py"),
         (["run", TOY, "--steps", "5", "--backend", "async-ps", "--workers", "2"],
-         "starting 4 processes (2 workers, 1 parameter server, a coordinator)"),
+         "starting 4 processes (2 workers, 1 parameter server, a coordinator) here"),
     ],
 )  # fmt: skip
 def test_a_long_command_first_says_what_it_is_doing(argv, said, tmp_path):

@@ -67,11 +67,14 @@ def run_file(args) -> int:
             from workbench._src.launch import fork_server
 
             fork_server.prestart()  # its TensorFlow import starts now, while this process goes on
-        if not (backend.in_processes and not args.cluster):
-            say(f"importing TensorFlow, then running {path.name}...")  # (seconds of silence otherwise)
+        # What the next seconds (up to a minute on Ray) do, said before they start.
+        ships = backend.in_processes and (not args.cluster or _on_ray(args))
+        if not ships:
+            say(f"importing TensorFlow, then running {path.name}...")
         repl = _make_replicator(args)
-        if backend.in_processes and not args.cluster:
-            say(f"starting {_processes(repl)}; each imports TensorFlow and runs {path.name}...")
+        if ships:
+            where = f"on Ray ({args.cluster}), which starts first" if args.cluster else "here"
+            say(f"starting {_processes(repl)} {where}; each imports TensorFlow and runs {path.name}...")
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         # Processes this one starts (locally or on Ray) run the file themselves: it runs only there,
         # as the notebook's cell would without the notebook's copy of the model, which a script
