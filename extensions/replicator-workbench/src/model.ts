@@ -53,6 +53,8 @@ export interface IRunInfo {
   /** A scaling study's runs share a group ("scaling weak"); its warm-up runs are marked. */
   group?: string | null;
   warmup?: boolean;
+  /** The last heal of a run with max_restarts, in one line ("worker 1 lost (...) at step 312: ..."). */
+  heal?: string | null;
   started: number | null;
   ended: number | null;
 }

@@ -438,6 +438,9 @@ export class ReplicatorSidebar extends Widget {
     if (isRunning(run)) {
       row.append(bar);
     }
+    if (run.heal) {
+      row.append(el('div', 'wb-run-heal', run.heal));
+    }
     const update = (r: IRunInfo) => {
       step.textContent = describeProgress(r);
       loss.textContent = `loss ${formatNumber(r.loss)}`;
@@ -497,7 +500,7 @@ function structureKey(state: LinkState, snapshot: ISnapshot | null, notebookName
     notebookName,
     snapshot?.devices ?? null,
     snapshot?.replicator ?? null,
-    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason]),
+    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason, r.heal ?? null]),
     poolsOf(snapshot).map(p => [p.backend, p.workers, p.processes, p.state, p.runs, p.idle_timeout, p.placement])
   ]);
 }

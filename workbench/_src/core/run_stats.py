@@ -227,3 +227,16 @@ def shown_reason(status: str | None, reason: str | None) -> str | None:
     if match:
         return None if match.group(1) == status else match.group(1)
     return reason
+
+
+def heal_line(record: dict, restarts: list) -> str:
+    """One line for the dashboard and the sidebar: "worker 1 lost (killed by SIGKILL) at step
+    312: restarted from step 300, 6.1 s (restart 1)"."""
+    where = f"step {record['step']}" if record["step"] is not None else "the start"
+    seconds = f", {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
+    lost_at = record.get("lost_at")
+    at = f" at step {lost_at}" if lost_at else ""
+    return (
+        f"{record['member']} lost ({record['cause']}){at}: restarted from {where}{seconds} "
+        f"(restart {len(restarts)})"
+    )

@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from workbench._src.core.errors import WorkerError
+from workbench._src.core.run_stats import heal_line
 
 # How often a healing run saves when checkpoint_every is not given: a lost member costs at most
 # this many steps again. A save takes 15-30 ms for a small model here (bench/bench_heal.py): on
@@ -119,16 +120,3 @@ def preempted_member_name(reason: str | None) -> str | None:
     """'worker 1' from a preempted run's reason ("(SIGTERM to worker 1)", "(worker 1 was preempted)")."""
     found = _PREEMPTED_MEMBER.search(reason or "")
     return (found.group(1) or found.group(2)) if found else None
-
-
-def heal_line(record: dict, restarts: list) -> str:
-    """One line for the dashboard and the sidebar: "worker 1 lost (killed by SIGKILL) at step
-    312: restarted from step 300, 6.1 s (restart 1)"."""
-    where = f"step {record['step']}" if record["step"] is not None else "the start"
-    seconds = f", {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
-    lost_at = record.get("lost_at")
-    at = f" at step {lost_at}" if lost_at else ""
-    return (
-        f"{record['member']} lost ({record['cause']}){at}: restarted from {where}{seconds} "
-        f"(restart {len(restarts)})"
-    )
