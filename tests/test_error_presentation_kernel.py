@@ -1,13 +1,14 @@
 """The "errors-readable" check in a real Jupyter kernel (issue 41): three %%replicate cells
 under mirrored x2 and one under multi-worker x2, each failing as a researcher's first try does.
 Each error's message names the cause on its first line (and, from a worker process, the
-worker), and the traceback the kernel sends to the frontend holds no frame of workbench/_src."""
+worker), the traceback the kernel sends to the frontend holds no frame of workbench/_src, and
+the sidebar's card for the failed run starts with the same cause, without escape codes."""
 
 import re
 
 import pytest
 from error_cells import CASES, HEADER, MISSPELT_NAME
-from helpers import shell_reply
+from helpers import LabFrontend, shell_reply
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
 
@@ -30,6 +31,9 @@ def test_errors_readable_in_a_kernel(tmp_path, monkeypatch, child_tmpdir):
     try:
         reply = shell_reply(kc, kc.execute("%load_ext workbench"), 120, "%load_ext")["content"]
         assert reply["status"] == "ok", reply
+        sidebar = LabFrontend(kc)  # what the JupyterLab sidebar receives (its comm)
+        sidebar.open()
+        cards = 0
         cells = {case: (HEADER + body, cause, line) for case, (body, cause, line) in CASES.items()}
         worker_header = HEADER.replace("mirrored --replicas 2", "multi-worker --workers 2")
         cells["in_a_worker"] = (worker_header + MISSPELT_NAME, r"^worker 0: NameError: .*learning_rat", None)
@@ -42,6 +46,14 @@ def test_errors_readable_in_a_kernel(tmp_path, monkeypatch, child_tmpdir):
             if line is not None:  # the frame of the cell's step_fn, at the line that failed
                 assert re.search(r"Cell In\[\d+\], line \d+, in step_fn", shown), (case, shown)
                 assert line in shown, (case, shown)
+            if case != "list_input":  # (that mistake is found before a run starts: no card)
+                cards += 1
+                seen = sidebar.snapshots(
+                    lambda s, n=cards: len(s["runs"]) == n and s["runs"][0]["status"] == "failed"
+                )
+                card = seen[-1]["runs"][0]["reason"]
+                assert re.search(cause.lstrip("^"), card.splitlines()[0]), (case, card)
+                assert "\x1b" not in card and "in user code" not in card, (case, card)
             if case == "in_a_worker":  # the worker's frame in the cell, with its line
                 assert 'File "<%%replicate cell>", line 7, in step_fn' in error["evalue"], error["evalue"]
                 assert "learning_rat * loss" in error["evalue"]
