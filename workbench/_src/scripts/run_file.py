@@ -28,7 +28,6 @@ from workbench._src.scripts import serve_task
 from workbench._src.sinks.progress import ProgressPrinter
 from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
 
-
 # `workbench run`'s exit status when preempted (SIGTERM): sysexits.h's EX_TEMPFAIL, "a temporary
 # failure: try again later". Not 0 (a scheduler would take the job as done) and not 1 (failed).
 PREEMPTED_EXIT = 75
