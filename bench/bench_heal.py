@@ -32,18 +32,32 @@ def digits_setup(repl):
     x, y = (x / 16).astype("float32"), y.astype("int32")
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(128, "relu"), keras.layers.Dense(128, "relu"), keras.layers.Dense(10)]
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, "relu"),
+            keras.layers.Dense(128, "relu"),
+            keras.layers.Dense(10),
+        ]
     )
     optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
 
     def input_fn(ctx):
-        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=0).repeat().batch(128, drop_remainder=True)
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(2048, seed=0)
+            .repeat()
+            .batch(128, drop_remainder=True)
+        )
 
     def step_fn(images, labels):
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
-        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            )
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        )
         return {"loss": loss}
 
     return step_fn, input_fn
@@ -69,8 +83,12 @@ def checkpoint_cost(wb, steps: int, repeats: int) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
     base, saved = statistics.median(measured["none"]), statistics.median(measured["every 100"])
     print(f"load {os.getloadavg()[0]:.1f} · {steps} steps x {repeats}, interleaved")
-    print(f"  no checkpoints        {base:8.1f} steps/s   (each: {', '.join(f'{v:.0f}' for v in measured['none'])})")
-    print(f"  checkpoint_every=100  {saved:8.1f} steps/s   (each: {', '.join(f'{v:.0f}' for v in measured['every 100'])})")
+    print(
+        f"  no checkpoints        {base:8.1f} steps/s   (each: {', '.join(f'{v:.0f}' for v in measured['none'])})"
+    )
+    print(
+        f"  checkpoint_every=100  {saved:8.1f} steps/s   (each: {', '.join(f'{v:.0f}' for v in measured['every 100'])})"
+    )
     print(f"  ratio {saved / base:.3f}  (cost {100 * (1 - saved / base):.1f}%; goal <= 5%)")
 
 
