@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from workbench._src.core import live
 from workbench._src.core.run_stats import figures, fmt, last_metrics, shown_reason
 from workbench._src.core.tracebacks import plain, readable, shown_text
 
@@ -90,16 +91,20 @@ def short_source(source: str | None) -> str:
 
 def default_name(config: dict, source: str | None, started: float | None = None) -> str:
     """What ran, where and when: 'mirrored x4 · nb01 · 14:02' ('async-ps 2w 1ps · train · 09:15')."""
+    parts = [backend_label(config), short_source(source), time.strftime("%H:%M", time.localtime(started))]
+    return " \u00b7 ".join(p for p in parts if p)
+
+
+def backend_label(config: dict) -> str:
+    """'mirrored x4', 'async-ps 2w 1ps', 'single': how every title names the backend, once (a
+    title whose run name already holds it, as a default name does, leaves it out)."""
     backend = config.get("backend") or "run"
     workers, ps = config.get("num_workers"), config.get("num_ps")
     if ps:
-        what = f"{backend} {workers or '?'}w {ps}ps"
-    elif (config.get("num_replicas") or 1) > 1:
-        what = f"{backend} x{config['num_replicas']}"
-    else:
-        what = backend
-    parts = [what, short_source(source), time.strftime("%H:%M", time.localtime(started))]
-    return " \u00b7 ".join(p for p in parts if p)
+        return f"{backend} {workers or '?'}w {ps}ps"
+    if (config.get("num_replicas") or 1) > 1:
+        return f"{backend} x{config['num_replicas']}"
+    return backend
 
 
 Status = str  # "created" | "running" | "finished" | "stopped" | "preempted" | "non-finite" | "failed"
@@ -170,6 +175,7 @@ class Run:
         self.processes: list[dict] = []
         self._columns: dict[str, list] = {}
         self._rows = 0
+        self._live = live.Keeper()  # the one snapshot every live view shows (run.snapshot)
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
         self._interrupted = False  # the stop came from Ctrl-C / a kernel interrupt
@@ -188,6 +194,11 @@ class Run:
 
         with self._lock:
             return pd.DataFrame({k: list(v) for k, v in self._columns.items()})
+
+    @property
+    def snapshot(self) -> dict | None:
+        """What every live view shows now: steps, rates, ETA, last metrics (core/live.py)."""
+        return self._live.current
 
     @property
     def steps(self) -> int:
@@ -318,7 +329,8 @@ class Run:
                 for key, column in self._columns.items():
                     column.append(row.get(key, float("nan")))
                 self._rows += 1
-        self.publish("metrics", rows=rows)
+            fresh = self._live.add(rows, self.config.get("steps"))
+        self.publish("metrics", rows=rows, **({"snapshot": fresh} if fresh else {}))
 
     def _rewind(self, steps: int) -> None:
         """Keeps the first `steps` rows (a healed run goes on from its checkpoint's step: the rows
@@ -328,6 +340,7 @@ class Run:
             for column in self._columns.values():
                 del column[steps:]
             self._rows = steps
+            self._live.rewind(self._columns, self.config.get("steps"))  # ("restart" carries it)
 
     def rename(self, name: str) -> None:
         """Sets the name shown everywhere (wb.rename_run also renames it in the run store)."""
@@ -351,10 +364,12 @@ class Run:
             self.status = "ending"  # claimed: a second caller returns above
         self.stop_reason = reason
         self.ended_at = time.time()
+        with self._lock:  # every view ends with the figures over the whole run
+            final = self._live.end(self._columns, self.config.get("steps"))
         self.status = status
         try:
             extra = {"details": details} if details else {}
-            self.publish("ended", status=status, reason=reason, name=self.name, **extra)
+            self.publish("ended", status=status, reason=reason, name=self.name, snapshot=final, **extra)
         finally:
             self._done.set()
 

@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
+from workbench._src.core.live import plot_spacing, shown
 from workbench._src.core.run import Event
-from workbench._src.core.run_stats import figures, fmt, fmt_duration, shown_reason
+from workbench._src.core.run_stats import fmt, fmt_duration, shown_reason
 from workbench._src.plots import run_plot
 from workbench._src.sinks import runstore
 
@@ -120,6 +121,8 @@ class Dashboard:
         self.config: dict = {}
         self.first_step = 1
         self.message: str | None = None
+        # The run's snapshot (core/live.py): the header, the bar and the figure show it.
+        self.snapshot: dict | None = None
         self.png: bytes | None = None  # the last figure drawn
         self.renders = 0
         self.render_seconds = 0.0
@@ -153,6 +156,9 @@ class Dashboard:
     def send(self, event: Event) -> None:
         if event.kind == "metrics":
             self.history.add(event.data["rows"])
+            if "snapshot" in event.data:  # the run's one snapshot (core/live.py): shown now
+                self.snapshot = event.data["snapshot"]
+                self._wake.set()
             return
         if event.kind == "started":
             self.started, self.status, self.run_id = True, "running", event.run_id
@@ -164,6 +170,7 @@ class Dashboard:
             self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
         elif event.kind == "restart":  # a heal: marked on the step axis; its rows come again
             self.history.truncate(event.data["run_step"])
+            self.snapshot = event.data.get("snapshot") or self.snapshot
             self.heals.append(event.data["run_step"])
         elif event.kind == "renamed":
             self.name = event.data.get("name") or self.name
@@ -171,6 +178,7 @@ class Dashboard:
             self.run_id = self.run_id or event.run_id
             self.name = self.name or event.data.get("name") or _name_from_id(event.run_id)
             self._ended = dict(event.data)
+            self.snapshot = event.data.get("snapshot") or self.snapshot
             if self._thread is None:
                 self._finish()
             else:
@@ -257,14 +265,11 @@ class Dashboard:
         if self.status == "closed":
             self._bar.close() if self._bar is not None else None
             return
-        columns = self.history.snapshot()
+        columns, fig = shown(self.history.snapshot(), self.snapshot, self.status, final, self.target)
         summary = run_plot.summarize(columns)
-        running = not final and self.status == "running"
-        self._update_bar(
-            summary, figures(columns, running, self.target), run_plot.metric_names(columns), final
-        )
+        self._update_bar(summary, fig, run_plot.metric_names(columns), final)
         now = time.monotonic()
-        title = run_plot.title_for(self.config, self.status, columns, self.name, self.target)
+        title = run_plot.title_for(self.config, self.status, columns, self.name, self.target, fig=fig)
         if final:
             has_steps = bool(columns.get("step"))
             self.png = (
@@ -284,6 +289,7 @@ class Dashboard:
             self.png = run_plot.render(columns, live_title, self.smoothing, self.scale, self.heals)
             self._image.value = self.png
             self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
+            self._image.tooltip = f"steps 1-{len(columns['step']):,}"  # (as the header, at most)
             self._controls.layout.display = ""
             cost = time.thread_time() - t0
             self.renders += 1
@@ -291,8 +297,7 @@ class Dashboard:
             self.render_threads.add(threading.current_thread().name)
             self.render_times.append(now)
             self.render_costs.append(cost)
-            # Draw again only when this drawing is under render_budget of the time between.
-            self._next_plot = now + max(self.period, cost / self.render_budget)
+            self._next_plot = now + plot_spacing(self.render_costs, self.period, self.render_budget)
         if self.frontend == "widgets":
             reason = shown_reason(self.status, (self._ended or {}).get("reason"))
             self._header.value = _status_html(title, self.message, reason)
@@ -309,6 +314,8 @@ class Dashboard:
                 unit="step",
                 file=sys.stderr,
                 bar_format=BAR_FORMAT,
+                mininterval=0,  # every snapshot shown (they come <= 2 a second): no bar behind
+                miniters=1,
             )
         if self._bar is None:
             return
@@ -390,7 +397,9 @@ class Dashboard:
         if self._progress:
             from tqdm.notebook import tqdm
 
-            self._bar = tqdm(total=None, unit="step", display=False, bar_format=BAR_FORMAT)
+            self._bar = tqdm(
+                total=None, unit="step", display=False, bar_format=BAR_FORMAT, mininterval=0, miniters=1
+            )
             row.insert(0, self._bar.container)
         self._build_controls()
         # The controls above the figure, which stays the box's last child (the panel's tests and
