@@ -12,6 +12,7 @@ import io
 import math
 import threading
 
+from workbench._src.core.run import backend_label
 from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics, median_rate
 from workbench._src.plots import theme
 
@@ -88,18 +89,29 @@ def summarize(columns: dict, running: bool = False, target_steps: int | None = N
 
 
 def title_for(
-    config: dict, status: str, columns: dict, name: str = "", target: int | None = None, numbers: bool = True
+    config: dict,
+    status: str,
+    columns: dict,
+    name: str = "",
+    target: int | None = None,
+    numbers: bool = True,
+    fig: dict | None = None,
 ) -> str:
-    """'run 3 · mirrored x 4 · finished · step 300/300 · 812 steps/s · 103,936 examples/s'.
+    """'run 3 · mirrored x4 · finished · step 300/300 · 812 steps/s · 103,936 examples/s'.
 
-    Steps count from the run's start; `target` is the steps the run was asked for. numbers=False
-    leaves out the step and the rates (the live figure: drawn less often than the header above
-    it refreshes, it would show older numbers beside newer ones).
+    The backend is named once: a name that holds it already (the default 'mirrored x4 · nb01 ·
+    14:02') is not followed by it again. Steps count from the run's start; `target` is the steps
+    the run was asked for. numbers=False leaves out the step and the rates (the live figure:
+    drawn less often than the header above it refreshes, it would show older numbers beside
+    newer ones). `fig`: the figures to show (the run's snapshot, core/live.py); else computed
+    from `columns`.
     """
-    parts = [name or "run", f"{config.get('backend', '?')} x {config.get('num_replicas', '?')}", status]
+    label = backend_label(config)
+    parts = [name or "run"] + ([] if label in (name or "") else [label]) + [status]
     if not numbers:
         return " \u00b7 ".join(parts)
-    fig = figures(columns, running=status == "running", target_steps=target)
+    if fig is None:
+        fig = figures(columns, running=status == "running", target_steps=target)
     if fig["steps"]:
         parts.append(f"step {fig['steps']:,}" + (f"/{target:,}" if target else ""))
     if fig["steps_per_sec"] is not None:
