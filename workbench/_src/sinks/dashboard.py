@@ -28,6 +28,7 @@ from workbench._src.core.run import Event
 from workbench._src.core.run_stats import fmt, fmt_duration, shown_reason
 from workbench._src.plots import run_plot
 from workbench._src.sinks import runstore
+from workbench._src.sinks.kernel_status import BusyWhileTheCellRuns
 
 Frontend = Literal["auto", "widgets", "console"]
 # tqdm without its own rate and ETA (the postfix carries the run's figures instead).
@@ -151,6 +152,9 @@ class Dashboard:
                 from IPython.display import display as show
 
                 self._handle = show(self.widget, display_id=True)
+                # Showing a widget has JupyterLab ask the kernel for a subshell, whose answer
+                # made the kernel's indicator say Idle while the cell trained: Busy again.
+                BusyWhileTheCellRuns()
 
     # ----- the sink: runs on the training thread, so it only records -----------------------
     def send(self, event: Event) -> None:
