@@ -235,7 +235,21 @@ class Plotter:
             smooth.set_data(x, smoothed)
             ax.relim()
             ax.autoscale_view()
+        self._fit_title(title)
+
+    def _fit_title(self, title: str) -> None:
+        """The title in a font small enough to fit the figure's width (a suptitle is centred:
+        one wider than the figure was cut at both ends); on two lines at a " · ", in the
+        smallest size (the room above the panels holds two lines of it), if 8 pt does not fit."""
+        renderer = self._figure.canvas.get_renderer()
+        room = 0.98 * self._figure.bbox.width
         self._title.set_text(title)
+        for size in (12, 11, 10, 9, 8):
+            self._title.set_fontsize(size)
+            if self._title.get_window_extent(renderer).width <= room:
+                return
+        self._title.set_text(_two_lines(title))
+        self._title.set_fontsize(7)
 
     def _png(self) -> bytes:
         from PIL import Image
@@ -270,6 +284,16 @@ def final_png(
 
 
 _shared = Plotter()
+
+
+def _two_lines(title: str) -> str:
+    """'a · b · c · d' -> 'a · b\\nc · d', split at the " · " nearest the middle."""
+    parts = title.split(" \u00b7 ")
+    if len(parts) < 2:
+        return title
+    lengths = [len(" \u00b7 ".join(parts[:i])) for i in range(1, len(parts))]
+    cut = min(range(len(lengths)), key=lambda i: abs(lengths[i] - len(title) / 2)) + 1
+    return " \u00b7 ".join(parts[:cut]) + "\n" + " \u00b7 ".join(parts[cut:])
 
 
 def render(columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()) -> bytes:

@@ -436,7 +436,7 @@ class Dashboard:
                 "log (values <= 0 are not drawn)",
                 "linear",
             ],
-            style={"button_width": "56px"},
+            style={"button_width": "64px"},  # (56 px cut "linear" to "lin…")
         )
         self._smoothing_slider.observe(self._on_control, names="value")
         self._scale_buttons.observe(self._on_control, names="value")
