@@ -50,6 +50,8 @@ export interface IRunInfo {
   median_examples_per_sec?: number | null;
   /** Seconds to go at the current steps/s (null before the first timed chunk). */
   eta_seconds?: number | null;
+  /** Which of the run's snapshots these figures are (1, 2, ...: its dashboard shows the same). */
+  snapshot_seq?: number | null;
   /** A scaling study's runs share a group ("scaling weak"); its warm-up runs are marked. */
   group?: string | null;
   warmup?: boolean;

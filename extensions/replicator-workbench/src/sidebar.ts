@@ -450,6 +450,7 @@ export class ReplicatorSidebar extends Widget {
       row.append(el('div', 'wb-run-heal', run.heal));
     }
     const update = (r: IRunInfo) => {
+      row.dataset.snapshot = String(r.snapshot_seq ?? 0); // (what the browser test compares)
       step.textContent = describeProgress(r);
       loss.textContent = `loss ${formatNumber(r.loss)}`;
       rate.textContent = `${formatNumber(r.steps_per_sec)} steps/s`;

@@ -274,6 +274,12 @@ class Dashboard:
         self._update_bar(summary, fig, run_plot.metric_names(columns), final)
         now = time.monotonic()
         title = run_plot.title_for(self.config, self.status, columns, self.name, self.target, fig=fig)
+        if self.frontend == "widgets":  # (before the figure, whose drawing takes a while)
+            reason = shown_reason(self.status, (self._ended or {}).get("reason"))
+            # data-snapshot: which of the run's snapshots the header shows (the sidebar's cards say too)
+            self._header.value = (
+                f"<div data-snapshot='{fig.get('seq', 0)}'>{_status_html(title, self.message, reason)}</div>"
+            )
         if final:
             has_steps = bool(columns.get("step"))
             self.png = (
@@ -293,7 +299,8 @@ class Dashboard:
             self.png = run_plot.render(columns, live_title, self.smoothing, self.scale, self.heals)
             self._image.value = self.png
             self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
-            self._image.tooltip = f"steps 1-{len(columns['step']):,}"  # (as the header, at most)
+            # The figure is drawn less often than the header refreshes: it says how far it goes.
+            self._figure_step.value = f"figure: steps 1-{len(columns['step']):,}"
             self._controls.layout.display = ""
             cost = time.thread_time() - t0
             self.renders += 1
@@ -302,9 +309,6 @@ class Dashboard:
             self.render_times.append(now)
             self.render_costs.append(cost)
             self._next_plot = now + plot_spacing(self.render_costs, self.period, self.render_budget)
-        if self.frontend == "widgets":
-            reason = shown_reason(self.status, (self._ended or {}).get("reason"))
-            self._header.value = _status_html(title, self.message, reason)
 
     def _update_bar(self, summary: dict, fig: dict, metrics: list[str], final: bool) -> None:
         if not self._progress:
@@ -441,8 +445,10 @@ class Dashboard:
         self._smoothing_slider.observe(self._on_control, names="value")
         self._scale_buttons.observe(self._on_control, names="value")
         # Hidden with the figure until it is drawn.
+        self._figure_step = w.HTML()
+        self._figure_step.add_class("wb-figure-step")
         self._controls = w.HBox(
-            [self._smoothing_slider, self._scale_buttons],
+            [self._smoothing_slider, self._scale_buttons, self._figure_step],
             layout=w.Layout(display="none", flex_flow="row wrap"),
         )
 

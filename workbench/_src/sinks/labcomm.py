@@ -452,6 +452,7 @@ class _RunWatcher:
             "steps_per_sec": fig["steps_per_sec"],
             "median_examples_per_sec": fig["median_examples_per_sec"],
             "eta_seconds": fig["eta_seconds"],
+            "snapshot_seq": fig.get("seq"),  # which of the run's snapshots (its dashboard shows it too)
             "group": self.group,
             "warmup": self.warmup,
             # The last heal in one line (launch/heal.py): "worker 1 lost (...) at step 312: ...".
