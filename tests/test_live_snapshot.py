@@ -61,3 +61,16 @@ def test_a_run_hands_one_snapshot_to_every_sink_and_ends_with_the_whole_runs(mon
     whole = figures(run.history, running=False, target_steps=300)
     assert {k: final[k] for k in whole} == whole  # what run.summary() says
     assert final["metrics"] == {"loss": rows[-1]["loss"]}
+
+
+def test_a_rewound_run_has_a_snapshot_of_what_is_left_at_once():
+    """A heal rewinds the history to its checkpoint (launch/heal.py): the snapshot follows at once
+    (the "restart" event carries it), with the figures of the rows kept."""
+    run = Run({"backend": "multi-worker", "steps": 3000})
+    run._start()
+    run.record_rows(_rows(2000))
+    before = run.snapshot["seq"]
+    run._rewind(1200)
+    snap = run.snapshot
+    assert snap["seq"] == before + 1 and snap["steps"] == 1200
+    assert {k: snap[k] for k in figures({})} == figures(run.history, running=True, target_steps=3000)
