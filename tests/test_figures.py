@@ -170,7 +170,9 @@ def test_the_figures_title_fits_its_width_and_names_the_backend_once(repeat):
     columns["loss"] = [1.0, 0.5, 0.25]
     title = run_plot.title_for(config, "finished", columns, name, 3)
     assert title.count("multi-worker") == repeat and "\u00b7 finished \u00b7 step 3/3 \u00b7" in title
-    assert run_plot.title_for(config, "finished", columns, "bg", 3).startswith("bg \u00b7 multi-worker x2 \u00b7")
+    assert run_plot.title_for(config, "finished", columns, "bg", 3).startswith(
+        "bg \u00b7 multi-worker x2 \u00b7"
+    )
     run_plot.render(columns, title)
     plotter = run_plot._shared
     extent = plotter._title.get_window_extent(plotter._figure.canvas.get_renderer())
