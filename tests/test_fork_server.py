@@ -1,4 +1,4 @@
-"""The fork server (workbench/_src/launch/fork_server.py): the workbench's worker and server
+"""The fork server (workbench/_src/placements/local/fork_server.py): the workbench's worker and server
 modules start as forks of a process that has imported TensorFlow, each as the process a fresh
 `python -m` would have been (own session, pipes, log, environment, network), and nothing outlives
 the launcher. The process-backend tests run every cluster through it."""
@@ -16,12 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from workbench._src.launch import fork_server
-from workbench._src.launch.processes import ProcessGroup, free_ports
+from workbench._src.placements.local import fork_server
+from workbench._src.placements.local.processes import ProcessGroup, free_ports
 
 pytestmark = pytest.mark.slow  # each test process starts a fork server once (~3-5 s)
 
-SERVER = "workbench._src.launch.server_main"
+SERVER = "workbench._src.placements.local.server_main"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -109,8 +109,8 @@ def test_nothing_outlives_the_launcher(tmp_path):
             f"""
             import json, sys
             sys.path.insert(0, {str(REPO)!r})
-            from workbench._src.launch import fork_server
-            from workbench._src.launch.processes import ProcessGroup, free_ports
+            from workbench._src.placements.local import fork_server
+            from workbench._src.placements.local.processes import ProcessGroup, free_ports
             group = ProcessGroup("fork-probe", stop_at_exit=False)
             port = free_ports(1)[0]
             child = group.start("worker", 0, {SERVER!r},

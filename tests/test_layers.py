@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "workbench"
-REGISTRY = PACKAGE / "_src" / "backends" / "registry.py"
+REGISTRY = PACKAGE / "_src" / "core" / "registry.py"
 COMPAT = PACKAGE / "_src" / "compat.py"
 BACKEND_NAMES = {"single", "mirrored", "multi-worker", "async-ps", "tpu"}
 
@@ -108,7 +108,7 @@ def test_only_the_registry_compares_backend_names():
         for name, tree in TREES.items()
         if MODULES[name] != REGISTRY and (lines := _backend_name_comparisons(tree))
     }
-    assert found == {}, "use the backend's spec (backends/registry.py) instead of its name"
+    assert found == {}, "use the backend's spec (core/registry.py) instead of its name"
 
 
 def test_the_name_check_finds_a_comparison():

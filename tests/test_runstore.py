@@ -206,7 +206,7 @@ def test_compare_view_data_series_names_hparams_and_median_label(runs_dir, toy):
     loss and examples/s series under its store name, at most MAX_POINTS points, NaN as None; the
     table rows carry each run's hparams; the median is labelled as the compiled step's."""
     import workbench._src.store.compare as compare
-    from workbench._src.sinks import labcomm
+    from workbench._src.notebook import labcomm
 
     a = toy["repl"].train(
         toy["step_fn"], toy["input_fn"], steps=30, name="lr high", hparams={"lr": 0.1, "opt": "sgd"}

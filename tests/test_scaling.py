@@ -9,7 +9,7 @@ import tensorflow as tf
 from toy_models import FEATURES, make_mlp, toy_data
 
 import workbench as wb
-from workbench._src.sinks.scaling_live import LiveScalingPlot
+from workbench._src.studies.scaling_live import LiveScalingPlot
 from workbench._src.studies.scaling import (
     ScalingContext,
     ScalingStudy,

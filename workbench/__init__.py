@@ -34,7 +34,7 @@ from workbench._src.core.inputs import InputContext, InputReplication
 from workbench._src.core.replicator import Replicator
 from workbench._src.core.run import Event, Run
 from workbench._src.core.tf_setup import configure_devices, device_summary
-from workbench._src.launch.ray_cluster import RayCluster
+from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.notebook.extension import (
     current,
     load_ipython_extension,

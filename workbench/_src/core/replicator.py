@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Literal
 
-from workbench._src.backends.registry import names, spec
+from workbench._src.core.registry import names, spec
 from workbench._src.core import cells, primitives, run_loop
 from workbench._src.core.checkpoints import Saver, named_items, restore_latest
 from workbench._src.core.errors import ConfigurationError, ReplicaContextError
@@ -106,7 +106,7 @@ class Replicator:
 
     @property
     def spec(self):
-        """This backend's declaration (capabilities; backends/registry.py)."""
+        """This backend's declaration (capabilities; core/registry.py)."""
         return spec(self.backend)
 
     @property

@@ -35,7 +35,7 @@ def process_replicator():
     global _replicator
     if _replicator is None:
         # here: every backend module imports this one; only a launched process needs the registry
-        from workbench._src.backends import backend_class
+        from workbench._src.core.registry import backend_class
         from workbench._src.core.errors import ConfigurationError
 
         if not _launched or BACKEND_ENV not in os.environ:

@@ -39,9 +39,9 @@ class TrainWork:
         self.replicator_options: dict = {}
 
     def __call__(self, repl, link):
-        from workbench._src.notebook import session  # here: only a launched process needs the session
+        from workbench._src.core.current import set_current
 
-        session._set(repl, None)  # wb.current() in the cell or script is this process's replicator
+        set_current(repl, None)  # wb.current() in the cell or script is this process's replicator
         for name, value in self.replicator_options.items():
             setattr(repl, name, value)
         chief = repl.worker_id == 0

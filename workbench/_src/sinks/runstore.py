@@ -26,7 +26,7 @@ from pathlib import Path
 from workbench._src.core.run import Event
 from workbench._src.core.tf_setup import tf
 from workbench._src.plots import run_plot
-from workbench._src.sinks import register_default, unregister_default
+from workbench._src.core.default_sinks import register_default, unregister_default
 
 ENV_VAR = "WORKBENCH_RUNS_DIR"
 DEFAULT_DIR = "runs"

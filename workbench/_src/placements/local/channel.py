@@ -23,8 +23,8 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
-from workbench._src.launch.proc import pid_alive, socket_folder
-from workbench._src.launch.processes import (
+from workbench._src.placements.proc import pid_alive, socket_folder
+from workbench._src.placements.local.processes import (
     KEEP_LOGS_ENV,
     LAUNCHER_PID_ENV,
     LOG_DIR_ENV,

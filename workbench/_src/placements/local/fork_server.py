@@ -3,7 +3,7 @@
 Importing TensorFlow costs a launched process 4-5 CPU-seconds (bench/bench_import.py): most of a
 cold worker's start, paid again by every worker, parameter server and coordinator, on a machine
 whose few cores the others are importing on too. The fork server is started once per launcher
-process (`python -m workbench._src.launch.fork_server`), imports the workbench and TensorFlow
+process (`python -m workbench._src.placements.local.fork_server`), imports the workbench and TensorFlow
 (without Keras's extras, as a launched process does; nothing of TensorFlow's runtime is started:
 no context, no device, no thread) and then waits. Each start of a worker or server module asks
 it over a Unix socket; it forks, and the child becomes that process: its own session, stdin
@@ -30,7 +30,6 @@ it) falls back to that too.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -45,11 +44,12 @@ import threading
 import time
 import weakref
 
+from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
-from workbench._src.launch.proc import pid_alive, socket_folder
+from workbench._src.placements.proc import pid_alive, socket_folder
 
 FORK_SERVER_ENV = "WORKBENCH_FORK_SERVER"  # the socket's path; "off": no fork server
-FORKED_MODULES = ("workbench._src.launch.worker_main", "workbench._src.launch.server_main")
+FORKED_MODULES = ("workbench._src.placements.local.worker_main", "workbench._src.placements.local.server_main")
 START_TIMEOUT = 120.0  # s for the fork server's own import on a busy machine; past it, no fork server
 STATUS_LOST = 255  # returncode when the fork server died before it could report a child's status
 _MAX_MESSAGE = 1 << 20
@@ -305,7 +305,7 @@ def _start_server(environment: str) -> _Server:
     env.pop(FORK_SERVER_ENV, None)
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "workbench._src.launch.fork_server", path],
+            [sys.executable, "-m", "workbench._src.placements.local.fork_server", path],
             env=env,
             stdin=subprocess.PIPE,  # held open; EOF: this process is gone
             stdout=log,
@@ -344,17 +344,17 @@ def _wait_until_serving(server: _Server) -> bool:
 _servers: list[_Server] = []  # every fork server this process started (each ends at our exit)
 
 
-@atexit.register
 def _end_all_at_exit() -> None:
-    """Reaps our fork servers at exit. Registered when processes.py first imports this module,
-    so it runs after the process groups' and pools' own exit hooks (atexit runs the last
-    registered first): their children are gone, and a fork server whose stdin is closed (here,
-    or earlier by its finalizer) exits at once. Reaped, it is not left to Popen's "still
-    running" warning."""
+    """Reaps our fork servers at exit (core/exit.py, after the pools and process groups: their
+    children are gone), and a fork server whose stdin is closed (here, or earlier by its
+    finalizer) exits at once. Reaped, it is not left to Popen's "still running" warning."""
     for server in list(_servers):
         server.end()
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.popen.wait(timeout=0.5)
+
+
+process_exit.on_exit("fork servers", _end_all_at_exit)
 
 
 def _tail(path: str) -> str:
@@ -494,7 +494,7 @@ def _become(request: dict, stdin_r: int, log_fd: int, namespaces: dict[str, int]
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.setsid()  # as start_new_session=True: the launcher's killpg reaches its helpers only
-        from workbench._src.launch import netns
+        from workbench._src.placements.local import netns
 
         netns.enter(namespaces.get("user", -1), namespaces.get("net", -1))
         _set_title(request["module"], request["args"])  # (before the environment changes: see there)

@@ -25,7 +25,6 @@ WORKBENCH_KEEP_LOGS=1 (it holds no logs).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import shutil
@@ -39,9 +38,10 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
-from workbench._src.launch import fork_server, netns
-from workbench._src.launch.proc import process_cpu_seconds
+from workbench._src.placements.local import fork_server, netns
+from workbench._src.placements.proc import process_cpu_seconds
 
 LOOPBACK = "127.0.0.1"
 TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
@@ -296,8 +296,8 @@ def _signal(child: Child, sig: int) -> None:
         os.kill(child.pid, sig)
 
 
-@atexit.register
 def _stop_all_groups() -> None:
+    """Interpreter exit (core/exit.py, after the pools): the groups that are not a pool's."""
     for group in list(_live_groups):
         with contextlib.suppress(Exception):
             if group.stop_at_exit:
@@ -306,3 +306,6 @@ def _stop_all_groups() -> None:
                 # Its children outlive us by design and write on into their open (now unlinked)
                 # log files; the folder itself must not outlive us.
                 shutil.rmtree(group.log_dir, ignore_errors=True)
+
+
+process_exit.on_exit("process groups", _stop_all_groups)

@@ -4,13 +4,12 @@
     repl = wb.MultiWorkerReplicator(num_workers=4, cluster=ray_cluster)
 
 A RayCluster only describes: it connects (ray.init) when a pool is first placed on it, and the
-pool (launch/ray_pool.py) makes the placement group and the actors. Ray is an optional extra
+pool (placements/ray/pool.py) makes the placement group and the actors. Ray is an optional extra
 (`pip install -e ".[ray]"`), imported here only when a cluster is used.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -229,7 +228,7 @@ def _end_failed_local_start(root: str) -> None:
     """Kills the processes a failed local start left (GCS, raylet, their helpers): ray.init had not
     recorded them, so ray.shutdown() would not end them. Found by our private Ray root in their
     command lines (its name holds our pid and a random part: no one else's process names it)."""
-    from workbench._src.launch.proc import pid_alive, pids_naming
+    from workbench._src.placements.proc import pid_alive, pids_naming
 
     left = pids_naming(root)
     for pid in left:
@@ -271,7 +270,9 @@ def _private_ray_root(ray) -> str:
             if not os.path.exists(root):
                 return
 
-    atexit.register(remove)
+    from workbench._src.core import exit as process_exit
+
+    process_exit.on_exit("ray", remove)  # after the pools: their stop still talks to Ray
     return root
 
 
@@ -280,7 +281,7 @@ def remove_roots_of_dead_owners(base: str) -> list[str]:
     kernel killed by a signal ran no exit hook (nbval and JupyterLab kill kernels that do not
     stop at once), and Ray's processes ended with it, but its folder stayed. A root whose owner
     runs, or whose pid now belongs to another process, is left alone. Returns what it removed."""
-    from workbench._src.launch.proc import pid_alive
+    from workbench._src.placements.proc import pid_alive
 
     removed = []
     for entry in os.listdir(base):
