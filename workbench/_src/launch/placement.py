@@ -81,10 +81,6 @@ class Members(Protocol):
         """The members that ended without being told to, and whose end ends the run."""
         ...
 
-    def alive(self) -> list: ...
-
-    def pids(self) -> list[int]: ...
-
 
 @runtime_checkable
 class Link(Protocol):

@@ -60,9 +60,9 @@ def run_file(args) -> int:
         ):
             return serve_task.serve(args.cluster, args.startup_timeout)  # ps/worker: only the chief runs FILE
         if backend.in_processes and not args.cluster:
-            from workbench._src.placements.local import fork_server
+            from workbench._src.placements.local import fork_client
 
-            fork_server.prestart()  # its TensorFlow import starts now, while this process goes on
+            fork_client.prestart()  # its TensorFlow import starts now, while this process goes on
         repl = _make_replicator(args)
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         # Processes this one starts (locally or on Ray) run the file themselves: it runs only there,

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
-from workbench._src.placements.local import fork_server, netns
+from workbench._src.placements.local import fork_client, netns
 from workbench._src.placements.proc import process_cpu_seconds
 
 LOOPBACK = "127.0.0.1"
@@ -79,7 +79,7 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
 class Child:
     role: str  # "worker" | "ps"
     index: int
-    popen: subprocess.Popen | fork_server.ForkedProcess
+    popen: subprocess.Popen | fork_client.ForkedProcess
     log_path: Path
     tmp_dir: Path  # its own TMPDIR, removed when it ends (see the module's docstring)
     started_at: float = field(default_factory=time.time)
@@ -200,7 +200,7 @@ class ProcessGroup:
         with open(log_path, "wb") as log:
             # The workbench's own modules are forked from a process that has imported TensorFlow
             # already (fork_server.py): milliseconds instead of seconds; None: not here.
-            popen = fork_server.start_process(
+            popen = fork_client.start_process(
                 module, args, child_env, log.fileno(), self.network.namespace_fds()
             )
             if popen is None:

@@ -60,10 +60,6 @@ class RayMember:
         self.exited = False  # it left its serve loop (shutdown)
 
     @property
-    def label(self) -> str:
-        return f"{self.role} {self.index} ({self.where})"
-
-    @property
     def where(self) -> str:
         return f"pid {self.pid} on node {self.node}"
 
@@ -94,11 +90,6 @@ class RayMembers:
     def unexpected_exits(self) -> list[RayMember]:
         return [m for m in self.children if m.dead and not m.expected_exit and not m.may_die]
 
-    def alive(self) -> list[RayMember]:
-        return [m for m in self.children if not m.dead and not m.exited]
-
-    def pids(self) -> list[int]:
-        return [m.pid for m in self.children]
 
 
 class RayChannel:
