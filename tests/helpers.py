@@ -19,7 +19,10 @@ import psutil
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CLUSTER_MODULES = ("workbench._src.placements.local.worker_main", "workbench._src.placements.local.server_main")
+CLUSTER_MODULES = (
+    "workbench._src.placements.local.worker_main",
+    "workbench._src.placements.local.server_main",
+)
 RNG = np.random.RandomState(0)
 X = RNG.randn(64, 8).astype("float32")
 Y = RNG.randn(64, 1).astype("float32")

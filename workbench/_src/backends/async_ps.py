@@ -35,6 +35,7 @@ import weakref
 
 from workbench._src import compat
 from workbench._src.backends.async_coordinator import AsyncProgram, CoordinatorExecutor
+from workbench._src.backends.join_watchdog import wait_for_peers
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.backends.worker_watch import DEFAULT_WORKER_TIMEOUT
 from workbench._src.core import tf_setup
@@ -42,10 +43,9 @@ from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
-from workbench._src.backends.join_watchdog import wait_for_peers
 from workbench._src.launch.placement import Task
-from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.placements.local.servers import LocalServers
+from workbench._src.placements.ray.cluster import RayCluster
 
 
 def _worker_failures_said_by_the_run(record) -> bool:

@@ -19,9 +19,9 @@ import gc
 import inspect
 import sys
 
-from workbench._src.core.registry import spec
 from workbench._src.core.cells import CELL_FILENAME, execute_source
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.registry import spec
 from workbench._src.core.replicator import Replicator
 from workbench._src.launch import runtime, shipping
 from workbench._src.launch.launcher import Launcher, task_order

@@ -29,11 +29,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 from workbench._src.core.checkpoints import with_checkpoint_hint
+from workbench._src.core.default_sinks import attach_default_sinks
 from workbench._src.core.errors import InputError, NonFiniteError
 from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
 from workbench._src.core.run import Run
 from workbench._src.core.run_options import RunOptions
-from workbench._src.core.default_sinks import attach_default_sinks
 
 CHUNK_SECONDS = 0.2
 MAX_STEPS_PER_EXECUTION = 1000

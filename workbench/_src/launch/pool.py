@@ -154,7 +154,9 @@ class Pools:
         with self.lock:
             failed = self.prestart_failed.pop(shape, None)
             if failed:
-                notes.append(f"the {backend} pool's start in the background failed ({failed}): starting again")
+                notes.append(
+                    f"the {backend} pool's start in the background failed ({failed}): starting again"
+                )
             for pool in [p for p in self.pools if p.state == "idle"]:
                 if pool.shape != shape or not keep:
                     retire.append((pool, "a run of another shape"))
@@ -167,7 +169,9 @@ class Pools:
                 problem = pool.drain() if pool.runs else pool.dead_member()
                 if problem:
                     retire.append((pool, problem))
-                    notes.append(f"the warm {pool.backend} pool lost {problem} while idle: starting a fresh one")
+                    notes.append(
+                        f"the warm {pool.backend} pool lost {problem} while idle: starting a fresh one"
+                    )
                     continue
                 pool.state, pool.idle_since = "busy", None
                 if pool.timer is not None:
@@ -203,7 +207,10 @@ class Pools:
                 return False
             retire = [(p, "another backend was chosen") for p in self.pools if p.state == "idle"]
             thread = threading.Thread(
-                target=self._start_in_background, args=(backend, plan), name="workbench pool start", daemon=True
+                target=self._start_in_background,
+                args=(backend, plan),
+                name="workbench pool start",
+                daemon=True,
             )
             self.prestarting[shape] = thread
             self.prestart_failed.pop(shape, None)

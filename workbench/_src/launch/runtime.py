@@ -35,8 +35,8 @@ def process_replicator():
     global _replicator
     if _replicator is None:
         # here: every backend module imports this one; only a launched process needs the registry
-        from workbench._src.core.registry import backend_class
         from workbench._src.core.errors import ConfigurationError
+        from workbench._src.core.registry import backend_class
 
         if not _launched or BACKEND_ENV not in os.environ:
             raise ConfigurationError(

@@ -18,8 +18,8 @@ import traitlets
 from workbench._src.core import registry
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import device_summary
-from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.notebook import session
+from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.sinks.dashboard import Dashboard
 
 

@@ -16,14 +16,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from workbench._src.core import registry
-from workbench._src.core import tf_setup
+from workbench._src.core import registry, tf_setup
 from workbench._src.core.cluster_resolver import checked_tf_config_env, cluster_resolver
+from workbench._src.core.current import set_current
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
-from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.launch.shipping import CellSetup
-from workbench._src.core.current import set_current
+from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.scripts import serve_task
 from workbench._src.sinks.progress import ProgressPrinter
 from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study

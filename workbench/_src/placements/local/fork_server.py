@@ -42,7 +42,10 @@ import tempfile
 from workbench._src.core import tf_setup
 
 FORK_SERVER_ENV = "WORKBENCH_FORK_SERVER"  # the socket's path; "off": no fork server
-FORKED_MODULES = ("workbench._src.placements.local.worker_main", "workbench._src.placements.local.server_main")
+FORKED_MODULES = (
+    "workbench._src.placements.local.worker_main",
+    "workbench._src.placements.local.server_main",
+)
 _MAX_MESSAGE = 1 << 20
 # What a process may read from its environment as it imports TensorFlow: a child of a fork server
 # imported with other values would not be the process a fresh interpreter gives. The rest is read
@@ -121,7 +124,11 @@ def _preload() -> None:
     start-up lines held back, Keras's optional extras left out, as worker_main imports it)."""
     import cloudpickle  # noqa: F401
 
-    import workbench  # noqa: F401
+    import workbench
+
+    for name in workbench.__all__:  # (`import workbench` alone loads its names lazily)
+        getattr(workbench, name)
+    import workbench._src.launch.member  # noqa: F401 - the member's loop, in every child
 
     with tf_setup.keras_extras_skipped(), tf_setup._start_up_noise_hidden():
         import tensorflow  # noqa: F401

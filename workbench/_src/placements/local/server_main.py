@@ -48,7 +48,9 @@ def start_server(cluster: dict, job: str, index: int, threads) -> object:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    from workbench._src.placements.local.processes import remove_own_tmp_dir  # (a signal handler: already imported)
+    from workbench._src.placements.local.processes import (
+        remove_own_tmp_dir,
+    )  # (a signal handler: already imported)
 
     remove_own_tmp_dir()
     # Then die of the signal itself, so the parent still reads "killed by SIGTERM".

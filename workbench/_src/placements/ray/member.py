@@ -23,8 +23,8 @@ import threading
 import time
 
 from workbench._src.placements.local.channel import LinkInbox
-from workbench._src.placements.proc import process_start_ticks
 from workbench._src.placements.local.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
+from workbench._src.placements.proc import process_start_ticks
 
 HEARTBEAT_SECONDS = 0.5
 STALL_SECONDS = 1.0  # a one-second sleep that ends this much later: the process could not run

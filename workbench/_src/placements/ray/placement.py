@@ -31,8 +31,8 @@ import threading
 import time
 
 from workbench._src.core.errors import ConfigurationError, WorkerError
-from workbench._src.placements.proc import process_cpu_seconds, process_start_ticks
 from workbench._src.placements.local.processes import TMP_PREFIX
+from workbench._src.placements.proc import process_cpu_seconds, process_start_ticks
 from workbench._src.placements.ray.cluster import PLACEMENTS
 
 MEMBER_MODULE = "workbench._src.placements.ray.member"  # named, as worker_main is: it runs over there
@@ -89,7 +89,6 @@ class RayMembers:
 
     def unexpected_exits(self) -> list[RayMember]:
         return [m for m in self.children if m.dead and not m.expected_exit and not m.may_die]
-
 
 
 class RayChannel:
