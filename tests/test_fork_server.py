@@ -115,7 +115,7 @@ def test_nothing_outlives_the_launcher(tmp_path):
             port = free_ports(1)[0]
             child = group.start("worker", 0, {SERVER!r},
                                 {{"WORKBENCH_CLUSTER": json.dumps({{"worker": [f"127.0.0.1:{{port}}"]}})}})
-            server = fork_client._servers[0]
+            server = fork_client.STATE.started[0]
             print(json.dumps({{"child": child.pid, "server": server.popen.pid, "folder": server.folder}}))
             """
         )
@@ -142,7 +142,7 @@ def test_a_malformed_request_is_dropped_and_the_fork_server_serves_on():
         first, second = free_ports(2)
         env = {"WORKBENCH_CLUSTER": json.dumps({"worker": [f"127.0.0.1:{first}", f"127.0.0.1:{second}"]})}
         group.start("worker", 0, SERVER, env)  # (the fork server is up)
-        server = fork_client._server
+        server = fork_client.STATE.server
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.connect(server.path)
             s.send(b"not json")

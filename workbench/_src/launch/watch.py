@@ -14,18 +14,35 @@ import time
 from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 
-# A local process whose heartbeat is late but that keeps using CPU is busy, not frozen: its
-# heartbeat thread cannot run while another thread holds Python's GIL in one long C call (a
-# regular expression, a large json or pickle load, building a big graph), and a busy machine
-# delays it too. Measured: a worker holding the GIL, busy, for 15 s was declared frozen after 10.
-# A frozen (SIGSTOP) process uses none. The share below is a bound chosen: 1% of a core is one
-# of /proc's 10-ms ticks a second. (It was 5%: a -n 3 run starts ~30 runnable threads on two
-# cores, where a busy single-threaded process gets about 7%.)
-BUSY_CPU_SHARE = 0.01  # a silent process using at least this share of one core is busy
-# ... until it has used this many heartbeat timeouts of CPU time while silent (a GIL held for
-# good): that many timeouts of silence on an idle machine, longer on a loaded one, where a process
-# that gets a share of a core is not stuck (a -n 3 run's actor took 30 s for 8 CPU-s).
+# The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
+# that keeps using CPU is busy: its heartbeat thread cannot run while another thread holds
+# Python's GIL in one long C call, and a loaded machine delays it too. A frozen (SIGSTOP) or hung
+# process uses no CPU at all.
+#
+# BUSY_CPU_SHARE: a silent member that used at least this share of one core since its last sign
+# of life is busy, and its silence counts from now. The floor of what /proc can show (one 10-ms
+# tick a second); raise it only if a frozen process could use CPU (it cannot), lower it never: a
+# busy thread's share falls with the load (two cores shared by ~30 runnable threads give ~7%).
+BUSY_CPU_SHARE = 0.01
+# BUSY_SILENCE_LIMIT: a member silent *and* busy is named all the same once it has used this many
+# heartbeat timeouts of CPU time since its last message (one call holding the GIL for good). In
+# CPU time, not wall time, so that a loaded machine stretches the bound instead of breaking it.
+# It bounds how long one legitimate GIL-holding call may take (building a big graph: seconds);
+# raise it if such calls are named.
 BUSY_SILENCE_LIMIT = 6
+# After a member reports an error, how long the watch collects the others' reports and the
+# process table before it names a culprit: a witness's report arrives first, the culprit's death
+# or silence within a moment. It bounds how long a failure takes to be said; it must exceed the
+# time a dead member's exit takes to show in the process table.
+WITNESS_WINDOW = 0.7
+# The same when a member's exit is seen first: the reports of the members it took down.
+EXIT_WINDOW = 0.5
+# A member silent this long when another reports a collective failure is the culprit (a frozen
+# peer): four heartbeats missed. Shorter would blame a member whose heartbeat is merely queued.
+PEER_SILENCE = 2.0
+# After a member's link closes, how long to wait for its exit status, so the error says how it
+# ended ("killed by SIGKILL"): a status is there within milliseconds unless the machine is starved.
+EXIT_STATUS_WAIT = 0.3
 
 
 class Watch:
@@ -112,7 +129,7 @@ class Watch:
         elif kind == "error":
             self._fail_after_error(task, message)
         elif kind == "disconnected" and task not in self.results:
-            time.sleep(0.3)  # let the exit status arrive so the error can say how it ended
+            time.sleep(EXIT_STATUS_WAIT)
             self._check()
 
     def _relay(self, task: str, message: dict) -> None:
@@ -136,7 +153,7 @@ class Watch:
         if dead:
             # A witness that reported the collective failure and exited is not the culprit:
             # collect pending reports first, then prefer a process killed by a signal.
-            errors = self._drain_errors(0.5)
+            errors = self._drain_errors(EXIT_WINDOW)
             dead = self.group.unexpected_exits()
             if not dead:
                 if errors:
@@ -218,7 +235,7 @@ class Watch:
         # process table, heartbeats and the other workers' reports a moment, then name the
         # culprit rather than the witness.
         self._child(task).expected_exit = True  # it exits after reporting
-        errors = {task: message, **self._drain_errors(0.7)}
+        errors = {task: message, **self._drain_errors(WITNESS_WINDOW)}
         self._check()  # a worker that died without reporting is the culprit
         unhealthy = _unhealthy_task(message.get("summary", ""))
         if unhealthy in self.tasks and unhealthy != task and unhealthy not in errors:
@@ -233,7 +250,7 @@ class Watch:
         now = time.monotonic()
         for other in self.tasks:
             silent = now - self.heard.get(other, now)
-            if other not in errors and other not in self.results and silent > 2.0:
+            if other not in errors and other not in self.results and silent > PEER_SILENCE:
                 self._raise(
                     f"{_label(other)} ({self._child(other).where}) stopped responding (no heartbeat "
                     f"for {silent:.0f} s){self._at_step()}; {_label(task)} then failed: "

@@ -113,9 +113,18 @@ def _end_server(popen, folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-_lock = threading.Lock()
-_server: _Server | None = None
-_unusable = ""  # why this process has no fork server ("" until one failed to start)
+class _ForkServers:
+    """This process's fork servers, in one place."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.server: _Server | None = None  # the one to ask (ours, or inherited)
+        self.unusable = ""  # why this process has no fork server ("" until one failed to start)
+        self.failures = 0  # fork servers that died or stopped answering
+        self.started: list[_Server] = []  # every fork server this process started (each ends at exit)
+
+
+STATE = _ForkServers()
 
 
 def enabled() -> bool:
@@ -201,55 +210,58 @@ def _ask(path: str, request: dict, fds: list[int]) -> dict:
 
 
 def _give_up(why: str) -> None:
-    global _server, _unusable
-    _unusable = why
-    _server = None
+    STATE.unusable = why
+    STATE.server = None
 
 
-_failures = 0
-MAX_FAILURES = 3  # fork servers that died or stopped answering before this process stops asking
+# Fork servers that may die or stop answering before this process stops asking for one (and
+# starts fresh interpreters): a fork server killed by accident is replaced, one that keeps dying
+# is not worth the wait of another TensorFlow import each time.
+MAX_FAILURES = 3
 
 
 def _failed(server: _Server, why: str) -> None:
     """A fork server that stopped answering (killed, say): the next start makes a new one, up to
     MAX_FAILURES times; this start goes the usual way."""
-    global _server, _failures
-    with _lock:
-        _failures += 1
-        if _server is server:
-            _server = None
+    with STATE.lock:
+        STATE.failures += 1
+        if STATE.server is server:
+            STATE.server = None
         if server.popen is not None:
             server.end()
-        if _failures >= MAX_FAILURES:
+        if STATE.failures >= MAX_FAILURES:
             _give_up(why)
 
 
 def _server_for(env: dict, wait: bool = True) -> _Server | None:
-    global _server, _failures
     environment = import_time_environment(env)
-    with _lock:
-        if _unusable:
+    with STATE.lock:
+        if STATE.unusable:
             return None
-        if _server is not None and _server.popen is not None and _server.popen.poll() is not None:
-            _failures += 1
-            _server = None  # it died: a new one (up to MAX_FAILURES)
-            if _failures >= MAX_FAILURES:
+        if (
+            STATE.server is not None
+            and STATE.server.popen is not None
+            and STATE.server.popen.poll() is not None
+        ):
+            STATE.failures += 1
+            STATE.server = None  # it died: a new one (up to MAX_FAILURES)
+            if STATE.failures >= MAX_FAILURES:
                 _give_up("it died again")
                 return None
-        if _server is None:
+        if STATE.server is None:
             inherited = os.environ.get(FORK_SERVER_ENV, "")
             if inherited.startswith("/") and os.path.exists(inherited):
-                _server = _Server(inherited)  # ours: the one that forked us (it checks the environment)
+                STATE.server = _Server(inherited)  # ours: the one that forked us (it checks the environment)
             else:
-                _server = _start_server(environment)
-        elif _server.popen is not None and _server.environment != environment:
+                STATE.server = _start_server(environment)
+        elif STATE.server.popen is not None and STATE.server.environment != environment:
             # TensorFlow's import-time settings changed (a user set TF_CPP_MIN_LOG_LEVEL, say):
             # a new fork server imports with them; the old one ends with its last child.
-            _server.end()
-            _server = _start_server(environment)
-        if wait and not _server.serving and not _wait_until_serving(_server):
-            _server = None
-        return _server
+            STATE.server.end()
+            STATE.server = _start_server(environment)
+        if wait and not STATE.server.serving and not _wait_until_serving(STATE.server):
+            STATE.server = None
+        return STATE.server
 
 
 def _start_server(environment: str) -> _Server:
@@ -272,7 +284,7 @@ def _start_server(environment: str) -> _Server:
     # Known (and ended at our exit, its folder removed) from now on, not only once it answers:
     # a script that fails while the fork server still imports leaves nothing behind either.
     server = _Server(path, popen, folder, environment)
-    _servers.append(server)
+    STATE.started.append(server)
     return server
 
 
@@ -288,7 +300,7 @@ def _wait_until_serving(server: _Server) -> bool:
                 popen.kill()  # (past the timeout it may still be importing)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=5)
-            _servers.remove(server)
+            STATE.started.remove(server)
             _warn_once(f"the fork server did not start ({why})")
             _give_up(why)
             return False
@@ -297,14 +309,11 @@ def _wait_until_serving(server: _Server) -> bool:
     return True
 
 
-_servers: list[_Server] = []  # every fork server this process started (each ends at our exit)
-
-
 def _end_all_at_exit() -> None:
     """Reaps our fork servers at exit (core/exit.py, after the pools and process groups: their
     children are gone), and a fork server whose stdin is closed (here, or earlier by its
     finalizer) exits at once. Reaped, it is not left to Popen's "still running" warning."""
-    for server in list(_servers):
+    for server in list(STATE.started):
         server.end()
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.popen.wait(timeout=0.5)

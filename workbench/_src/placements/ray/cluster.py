@@ -23,8 +23,9 @@ import time
 from workbench._src.core.errors import ConfigurationError
 
 PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
-# A local Ray instance (address=None) stands for this machine: it holds as many processes as the
-# local launcher would start (Ray's CPUs are scheduling units, not cores).
+# The logical CPUs of a local Ray instance (address=None), at least: it stands for this machine,
+# so it must hold as many members as a local pool would start (Ray's CPUs are scheduling units,
+# not cores). Raise it with the largest pool a notebook makes.
 LOCAL_CPUS = 8
 _NOT_BY_US = object()
 _connected_to = _NOT_BY_US  # the address this process's ray.init was given by a RayCluster
@@ -85,6 +86,7 @@ class RayCluster:
         self.resources_per_worker = resources
         self.placement = placement
         self.runtime_env = runtime_env
+        self.local_root: str | None = None  # a local instance's own temp root, once it is started
 
     @classmethod
     def from_option(cls, text: str) -> RayCluster:
@@ -143,7 +145,7 @@ class RayCluster:
         sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
         ray_tmpdir = os.environ.get("RAY_TMPDIR")
         if self.address is None:
-            os.environ["RAY_TMPDIR"] = _private_ray_root(ray)
+            os.environ["RAY_TMPDIR"] = self.local_root = _private_ray_root(ray)
         try:
             local = {"num_cpus": max(os.cpu_count() or 1, LOCAL_CPUS)} if self.address is None else {}
             init = dict(
@@ -213,10 +215,10 @@ class RayCluster:
         )
 
 
-# Ray gives a local instance's raylet a fixed 30 s to register with its GCS (ray/_private/node.py,
-# not configurable). On a loaded machine (2 cores, a test suite running three files at a time) it
-# has taken longer; a second try has then started. Every try's processes are this process's
-# children, found by the private root in their command lines.
+# How many times a local instance's start is tried when its raylet misses Ray's fixed 30 s to
+# register with its GCS (ray/_private/node.py, not configurable; a loaded machine misses it). It
+# bounds a failed start at about this many times 30 s; each failed try's processes are ended
+# first (found by the private root in their command lines). Raise it only with Ray's limit fixed.
 LOCAL_START_ATTEMPTS = 2
 
 

@@ -26,8 +26,13 @@ from workbench._src.placements.local.channel import LinkInbox
 from workbench._src.placements.local.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
 from workbench._src.placements.proc import process_start_ticks
 
+# A member's heartbeat period: well under the launcher's heartbeat_timeout (10 s by default), so
+# a few late beats are not silence; as a local member's.
 HEARTBEAT_SECONDS = 0.5
-STALL_SECONDS = 1.0  # a one-second sleep that ends this much later: the process could not run
+# A one-second sleep of the orphan watch that ends this much late means the process could not
+# run (a call held the GIL, or the machine starved it): the orphan count starts again, since the
+# launcher's polls were held up the same way.
+STALL_SECONDS = 1.0
 
 
 class ActorLink(LinkInbox):

@@ -32,12 +32,21 @@ import time
 
 from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.placements.local.processes import TMP_PREFIX
-from workbench._src.placements.proc import process_cpu_seconds, process_start_ticks
+from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_start_ticks
 from workbench._src.placements.ray.cluster import PLACEMENTS
 
 MEMBER_MODULE = "workbench._src.placements.ray.member"  # named, as worker_main is: it runs over there
+# How long one long poll waits for a member's messages: it bounds how late the launcher sees a
+# message when none follow, and how often each member is called (the member's orphan watch needs
+# one well within ORPHAN_SECONDS).
 POLL_SECONDS = 1.0
-ORPHAN_SECONDS = 30.0  # a member unpolled this long (or 3 heartbeat timeouts) leaves on its own
+# A member unpolled this long (or 3 heartbeat timeouts, if longer) has lost its launcher (a node
+# cut off, a launcher gone before Ray noticed) and leaves on its own, as a local member leaves on
+# EOF. Only time the member could run counts (member.py). It bounds how long a cut-off actor
+# lingers; it must stay well above POLL_SECONDS plus a loaded machine's scheduling delay.
+ORPHAN_SECONDS = 30.0
+# How long a message to one member is waited for (sends are waited for so one member's messages
+# keep their order): a dead or frozen member does not hold the launcher longer than this.
 SEND_TIMEOUT = 5.0
 
 
@@ -52,6 +61,7 @@ class RayMember:
         # Its CPU time is readable here when it runs on this process's node and this /proc shows
         # it (the same pid started at the same moment: not a namespace's or a reused pid).
         started = where.get("started")
+        self._started = started
         self._cpu_readable = on_this_node and started is not None and started == process_start_ticks(self.pid)
         self.may_die = may_die  # an async-ps worker server: the run goes on without it
         self.expected_exit = False
@@ -74,6 +84,12 @@ class RayMember:
 
     def log_tail(self, lines: int = 15) -> str:
         return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
+
+    def process_gone(self) -> bool:
+        """Its process has ended, as this node's /proc shows (False where it cannot be read)."""
+        if not self._cpu_readable:
+            return False
+        return not pid_alive(self.pid) or process_start_ticks(self.pid) != self._started
 
     def cpu_seconds(self) -> float | None:
         """Its CPU time, where it can be read (the launcher tells a busy member from a frozen
@@ -286,6 +302,10 @@ class RayPlacement:
 
     def dead_member(self, extra: list[dict]) -> str:
         for member in self.group.children:
+            if not member.dead and member.process_gone():
+                # (on this node a death is read from /proc at once, as for a local child; Ray's
+                # report of it reaches the member's poll a moment later)
+                member.dead, member.death = True, "its process is gone"
             if member.dead:
                 return f"{member.role} {member.index} ({member.where}) {member.exit_description()}"
         return ""
