@@ -29,12 +29,13 @@ from helpers import process_pid, regression_setup, wait_for
 
 import workbench as wb
 from workbench._src.launch import pool as pools
+from workbench._src.launch.placement import Link, Member, Members, Placement
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class Placement:
+class PlacementUnderTest:
     """What a test needs to know of one placement: the replicators' options and how a killed
     member's end is said."""
 
@@ -76,10 +77,10 @@ def _ray_instance():
 def placement(request):
     """Each test that takes it runs once with local processes and once with Ray actors."""
     if request.param == "local":
-        yield Placement("local")
+        yield PlacementUnderTest("local")
     else:
         for cluster in _ray_instance():
-            yield Placement("ray", cluster)
+            yield PlacementUnderTest("ray", cluster)
 
 
 def pids(run) -> list[int]:
@@ -106,6 +107,10 @@ def test_a_rerun_reuses_the_processes_and_says_so(placement):
     assert set(first.startup) >= {"spawn", "imports", "cluster join", "shipping", "build", "first trace"}
     assert first.summary()["startup"] == first.startup
     assert "handoff" in second.startup and any("warm pool (run 2)" in t for t in messages(second))
+    # Both placements are the declared seam, not only alike (launch/placement.py).
+    pool = repl.launcher.pool
+    assert isinstance(pool.placement, Placement) and isinstance(pool.channel, Link)
+    assert isinstance(pool.group, Members) and all(isinstance(m, Member) for m in pool.group.children)
     # A new replicator of the same shape (e.g. %replicate chose it again) finds the same pool.
     third = wb.MultiWorkerReplicator(**placement.options(num_workers=2)).run_on_workers(lambda r: os.getpid())
     assert sorted(third) == sorted(pids(first))

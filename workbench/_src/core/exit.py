@@ -17,9 +17,11 @@ modules were imported in:
      the process with os._exit.
 
 Why one hook: `atexit` runs hooks last-registered first, so with a hook per module the order
-was the import order, and Ray's own exit hook (`ray.shutdown`, registered when Ray is imported)
-could run before the Ray pools were stopped. `on_exit` registers this module's hook again each
-time something is added, so it runs before every hook registered earlier, Ray's included.
+was the import order, and Ray's own exit hooks (`ray.shutdown`, registered when Ray is imported,
+and the local instance's, registered by `ray.init`) could run before the Ray pools were stopped.
+`on_exit` registers this module's hook again each time something is added, and Ray's connection
+does after `ray.init` (`run_first`), so it runs before every hook registered earlier, Ray's
+included.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ def on_exit(stage: str, hook: Callable[[], None]) -> None:
     """Runs `hook()` at interpreter exit, in `stage`'s turn (idempotent)."""
     if hook not in _hooks[stage]:
         _hooks[stage].append(hook)
-    atexit.unregister(run_exit_stages)  # (then first in line: before Ray's own exit hook)
+    run_first()
+
+
+def run_first() -> None:
+    """Makes the stages run before every exit hook registered so far: Ray's connection calls it
+    after `ray.init`, which registers Ray's own hooks (one ends the local instance's processes)."""
+    atexit.unregister(run_exit_stages)  # (atexit runs the last registered first)
     atexit.register(run_exit_stages)
 
 

@@ -128,8 +128,11 @@ class RayCluster:
     def connect(self):
         """ray, initialized for this cluster (once per process); a clear error when it cannot be."""
         global _connected_to
+        from workbench._src.core import exit as process_exit
+
         ray = import_ray()
         if ray.is_initialized():
+            process_exit.run_first()  # (the pools stop before Ray's exit hooks end the actors)
             if _connected_to is not _NOT_BY_US and _connected_to != self.address:
                 raise ConfigurationError(
                     f"This process is connected to the Ray cluster at address={_connected_to!r}; a process "
@@ -186,6 +189,7 @@ class RayCluster:
             else:
                 os.environ["RAY_TMPDIR"] = ray_tmpdir
         _connected_to = self.address
+        process_exit.run_first()  # ray.init registered Ray's exit hooks: the pools stop before them
         return ray
 
     def nodes(self) -> list[dict]:
@@ -274,7 +278,7 @@ def _private_ray_root(ray) -> str:
 
     from workbench._src.core import exit as process_exit
 
-    process_exit.on_exit("ray", remove)  # after the pools: their stop still talks to Ray
+    process_exit.on_exit("ray", remove)  # (its stage comes after the pools': they talk to Ray)
     return root
 
 
