@@ -45,14 +45,26 @@ class Program:
         self.replicator = replicator
         self.step_fn = step_fn
         self.input_fn = input_fn
-        strategy = replicator.strategy
+        self._open_input(skip=0)
+        self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
+        self.input_position = 0  # batches its input has given (restored: where a checkpoint left it)
+        self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
+        self.metric_names: list[str] | None = None  # scalar outputs, found while tracing
+        t = tf()
+        self._one_step = t.function(self._one_step_graph)
+        self._fused = t.function(self._fused_graph)
+
+    def _open_input(self, skip: int, notes: list | None = None) -> None:
+        replicator = self.replicator
         self.dataset = distribute_input(
-            strategy,
-            input_fn,
+            replicator.strategy,
+            self.input_fn,
             replicator.input_replication,
             replicator.input_split_fn,
             num_workers=replicator.num_workers,
             worker_id=replicator.worker_id,
+            skip=skip,
+            notes=notes,
         )
         self.infinite_input = _is_infinite(self.dataset)
         with _no_cyclic_gc():  # (a collection here could free an old iterator on this thread)
@@ -60,12 +72,16 @@ class Program:
         # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
         # (reaper.py): the reaper deletes it when this program is garbage.
         reaper.adopt(self)
-        self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
-        self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
-        self.metric_names: list[str] | None = None  # scalar outputs, found while tracing
-        t = tf()
-        self._one_step = t.function(self._one_step_graph)
-        self._fused = t.function(self._fused_graph)
+
+    def fast_forward(self, batches: int) -> list[str]:
+        """Re-opens the input `batches` batches in (a resumed run continues the data where its
+        checkpoint left it: core/resume.py); returns why that may not be exact ([] if it is)."""
+        notes: list[str] = []
+        if batches:
+            reaper.discard_programs([self])  # the unused iterator goes on the reaper thread
+            self._open_input(skip=batches, notes=notes)
+        self.input_position = batches
+        return notes
 
     # ----- what step_fn sees --------------------------------------------------------------
     def call_step_fn(self, batch):
@@ -146,6 +162,12 @@ class Program:
 
     # ----- host side ----------------------------------------------------------------------
 
+    def trace(self) -> None:
+        """Traces the fused loop without running a step: wrapped optimizers build their slot
+        variables while it traces (the first real call reuses the trace)."""
+        t = tf()
+        call_compiled(lambda it, n: self._fused.get_concrete_function(it, n), self.iterator, t.constant(1))
+
     def run_one(self) -> list:
         t = tf()
         try:
@@ -158,6 +180,7 @@ class Program:
         except t.errors.InvalidArgumentError as e:
             raise _translated(e) from None
         self.steps_done += 1
+        self.input_position += 1
         return list(self.replicator.strategy.experimental_local_results(out))
 
     def run_fused(self, n: int) -> tuple[np.ndarray, int]:
@@ -170,6 +193,7 @@ class Program:
         self.fused_traced = True
         done = int(done)
         self.steps_done += done
+        self.input_position += done
         return rows.numpy()[:done], done
 
 

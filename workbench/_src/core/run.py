@@ -101,19 +101,23 @@ def default_name(config: dict, source: str | None, started: float | None = None)
     return " \u00b7 ".join(p for p in parts if p)
 
 
-Status = str  # "created" | "running" | "finished" | "stopped" | "non-finite" | "failed"
-ENDED_STATUSES = ("finished", "stopped", "non-finite", "failed")
+Status = str  # "created" | "running" | "finished" | "stopped" | "preempted" | "non-finite" | "failed"
+ENDED_STATUSES = ("finished", "stopped", "preempted", "non-finite", "failed")
+# A stop request's kind, agreed between the processes of a run (the most urgent wins).
+NO_STOP, STOP, PREEMPT = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
     """Something that happened in a run. kind: started | metrics | checkpoint | message |
-    renamed | ended.
+    renamed | restart | ended.
 
     `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
     for metrics: {"rows": [ {step (from the run's start), wall_time, examples_per_sec,
     global_step (the program's), examples (this step's global batch), <metrics>}, ... ]};
-    for renamed: {"name", "tags"}.
+    for renamed: {"name", "tags"}; for restart (a heal, launch/heal.py): {"member", "cause",
+    "step" (the checkpoint's global step), "run_step" (the run's step the history was rewound
+    to: rows after it are dropped and come again), "lost_at", "seconds"}.
     """
 
     kind: str
@@ -168,6 +172,9 @@ class Run:
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
         self._interrupted = False  # the stop came from Ctrl-C / a kernel interrupt
+        self._preempted: str | None = None  # why the run is being preempted (e.g. "SIGTERM")
+        # One dict per heal of a run with max_restarts: member, cause, step, seconds.
+        self.restarts: list[dict] = []
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -227,6 +234,20 @@ class Run:
         stop_reason says it was interrupted."""
         self._interrupted = True
         return self.stop()
+
+    def preempt(self, cause: str = "SIGTERM") -> Run:
+        """A preemption (SIGTERM from a scheduler or cluster manager): the run saves at the next
+        step boundary and ends "preempted"; run again with the same steps, it finishes the run
+        it began (core/resume.py)."""
+        self._preempted = cause
+        return self.stop()
+
+    @property
+    def stop_kind(self) -> int:
+        """NO_STOP, STOP or PREEMPT: what the run was asked to do at its next step boundary."""
+        if self._preempted:
+            return PREEMPT
+        return STOP if self._stop.is_set() else NO_STOP
 
     def stopped_reason(self, step: int) -> str:
         """The stop_reason of a run stopped at `step`: 'interrupted at step N' or 'stopped at step N'."""
@@ -297,6 +318,15 @@ class Run:
                     column.append(row.get(key, float("nan")))
                 self._rows += 1
         self.publish("metrics", rows=rows)
+
+    def _rewind(self, steps: int) -> None:
+        """Keeps the first `steps` rows (a healed run goes on from its checkpoint's step: the rows
+        after it are trained again, not kept twice). Sinks learn it from the "restart" event."""
+        with self._lock:
+            steps = max(0, min(steps, self._rows))
+            for column in self._columns.values():
+                del column[steps:]
+            self._rows = steps
 
     def rename(self, name: str) -> None:
         """Sets the name shown everywhere (wb.rename_run also renames it in the run store)."""

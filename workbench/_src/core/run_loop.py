@@ -21,19 +21,31 @@ of a second.
 from __future__ import annotations
 
 import collections
-import signal
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Protocol
 
 from workbench._src.core.checkpoints import with_checkpoint_hint
 from workbench._src.core.default_sinks import attach_default_sinks
 from workbench._src.core.errors import InputError, NonFiniteError
+from workbench._src.core.executors import Executor, InProcessExecutor, no_agreement
 from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
-from workbench._src.core.run import Run
+from workbench._src.core.resume import steps_to_run
+from workbench._src.core.run import NO_STOP, PREEMPT, Run
 from workbench._src.core.run_options import RunOptions
+from workbench._src.core.run_signals import PreemptOnSigterm, _stop_on_sigint
+
+__all__ = [
+    "ChunkLoop",
+    "Executor",
+    "InProcessExecutor",
+    "PreemptOnSigterm",
+    "drive",
+    "new_run",
+    "no_agreement",
+    "train",
+]
 
 CHUNK_SECONDS = 0.2
 MAX_STEPS_PER_EXECUTION = 1000
@@ -102,72 +114,6 @@ def drive(run: Run, body: Callable[[Run], tuple[str, str | None]], background: b
     return run
 
 
-class Executor(Protocol):
-    """What runs a run's chunks for ChunkLoop (InProcessExecutor here; the async-ps
-    CoordinatorExecutor in backends/async_coordinator.py)."""
-
-    max_in_flight: int  # chunks submitted before the first is collected
-    rate_window_seconds: float  # 0: each chunk's own time gives its throughput
-    replicas_per_step: int  # metric rows arrive summed over this many replicas
-
-    def start(self, run: Run) -> None: ...
-    def agree(self, k: int, stop: bool) -> tuple[int, bool]: ...  # one k and stop for all processes
-    def submit(self, k: int): ...  # starts a chunk of k steps; returns a handle
-    def collect(self, handle): ...  # (rows, steps run), or None when lost with a dead worker
-    def parallelism(self) -> int: ...
-    def extra_columns(self) -> dict: ...  # added to every history row (async-ps: live workers)
-    def explain(self, error: BaseException) -> BaseException: ...  # the error to fail the run with
-    def healthy(self) -> bool: ...  # whether a checkpoint can still be saved after a failure
-    def close(self) -> None: ...
-
-
-def no_agreement(k: int, stop: bool) -> tuple[int, bool]:
-    return k, stop
-
-
-class InProcessExecutor:
-    """Runs chunks of a Program's fused loop here, one at a time.
-
-    `agree`: how the processes of a run agree on each chunk's length and on stopping
-    (multi-worker replicas must run chunks of the same length and stop together; one process
-    agrees with itself).
-    """
-
-    max_in_flight = 1
-    rate_window_seconds = 0.0  # each chunk's own time gives its throughput
-
-    def __init__(self, program, agree: Callable[[int, bool], tuple[int, bool]] = no_agreement):
-        self.program = program
-        self.agree = agree
-        self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
-
-    def start(self, run) -> None:
-        pass
-
-    def submit(self, k: int):
-        return self.program.run_fused(k)  # runs now; program.steps_done advances
-
-    def collect(self, handle):
-        return handle
-
-    def parallelism(self) -> int:
-        return 1
-
-    def extra_columns(self) -> dict:
-        return {}
-
-    def explain(self, error: BaseException) -> BaseException:
-        """The error to fail the run with (a backend may name a dead process instead)."""
-        return error
-
-    def healthy(self) -> bool:
-        """Whether a checkpoint can still be saved after a failure."""
-        return True
-
-    def close(self) -> None:
-        pass
-
-
 class ChunkLoop:
     """Keeps the executor busy with chunks until `steps` steps have run or the run must stop."""
 
@@ -176,40 +122,64 @@ class ChunkLoop:
         self.fixed_k = None if opts.steps_per_execution == "auto" else opts.steps_per_execution
         self.reduce = opts.reduce or {}
         self.recent: collections.deque = collections.deque()  # (time, examples) for windowed rates
+        self.steps = opts.steps  # fewer when a resumed run finishes the run it continues
 
     def execute(self, run: Run) -> tuple[str, str | None]:
         try:
-            self._restore()
+            restored = self._restore()
             self._warm_up()
+            if self.opts.max_restarts and not restored:
+                # A run that heals itself keeps its start too: a member lost before the first
+                # periodic save resumes from here, not from weights the setup builds again.
+                self._save()
             self.run.publish(
-                "started", name=self.run.name, config=self.run.config, first_step=self.program.steps_done + 1
+                "started",
+                name=self.run.name,
+                config=self.run.config,
+                first_step=self.program.steps_done + 1,
+                steps=self.steps,  # (fewer than asked when it finishes a resumed run)
             )
             status, reason = self._loop()
         except BaseException as error:  # noqa: BLE001 - save what we have, then fail the run
             error = self.executor.explain(error)
-            if self.executor.healthy():
+            # A save now holds whatever the failed chunk had applied before it failed, under the
+            # step count before it: a run that heals itself resumes from its last clean one.
+            if self.executor.healthy() and not self.opts.max_restarts:
                 self._save(final=True, failing=True)
             raise with_checkpoint_hint(error, self.saver) from None
         finally:
             self.executor.close()
         if self.saver and status != "non-finite":
+            if status != "preempted":  # (a preempted run's checkpoint keeps its goal: it is resumed)
+                self.saver.goal_step = 0
             self._save(final=True)
         return status, reason
 
-    def _restore(self) -> None:
+    def _restore(self) -> bool:
+        """Restores the latest checkpoint when there is one to resume; True if it did."""
         run, saver = self.run, self.saver
         self.executor.start(run)
-        if saver:
-            restored = saver.restore_if_any()
-            if restored is not None:
-                run.publish("message", text=f"resumed from checkpoint at step {restored}: {saver.directory}")
+        if not saver:
+            return False
+        restored = saver.restore_if_any()
+        if restored is None:
+            return False
+        run.publish("message", text=f"resumed from checkpoint at step {restored.step}: {saver.directory}")
+        for note in restored.notes:  # said once, where the resume happens
+            warnings.warn(f"{run.name}: {note}.", RuntimeWarning, stacklevel=2)
+            run.publish("message", text=note)
+        self.steps, said = steps_to_run(self.opts.steps, restored.step, restored.goal_step, restored.asked_steps)
+        if said:
+            run.config["steps"] = self.steps
+            run.publish("message", text=said)
+        return True
 
     def _warm_up(self) -> None:
         """`opts.warmup` steps before the recorded ones: the first call (one step) traces and is
         timed as compile_seconds; the rest run in one chunk. Workers agree on both, as always."""
         remaining, first = self.opts.warmup, True
         while remaining:
-            k, _ = self.executor.agree(1 if first else remaining, False)
+            k, _ = self.executor.agree(1 if first else remaining, NO_STOP)
             started = time.perf_counter()
             result = self.executor.collect(self.executor.submit(k))
             if result is None:  # lost with a dead worker: run it again
@@ -227,7 +197,9 @@ class ChunkLoop:
     def _loop(self) -> tuple[str, str | None]:
         run, program, executor = self.run, self.program, self.executor
         first_step = program.steps_done
-        target = first_step + self.opts.steps
+        target = first_step + self.steps
+        if self.saver:  # a checkpoint says what this run is training towards (core/resume.py)
+            self.saver.goal_step, self.saver.asked_steps = target, self.opts.steps
         scheduled = first_step
         in_flight: collections.deque = collections.deque()  # (handle, chunk, submitted at)
         k = self.fixed_k or 1
@@ -244,8 +216,12 @@ class ChunkLoop:
                 chunk = min(k, target - scheduled, self._steps_to_next_checkpoint(scheduled))
                 # The stop request goes through the agreement too: every worker of a multi-worker
                 # run must make the same number of agreements and stop at the same step.
-                chunk, stopping = executor.agree(chunk, run.stop_requested)
+                chunk, stop_kind = executor.agree(chunk, run.stop_kind)
+                stopping = stop_kind != NO_STOP
                 if stopping:
+                    if stop_kind == PREEMPT and not run._preempted:
+                        who = getattr(program.replicator, "preempted_workers", None)
+                        run.preempt(f"worker {who[0]} was preempted" if who else "another process was preempted")
                     run.stop()  # (another worker may have asked: stop here too)
                     break
                 submitted = time.perf_counter()  # before: an in-process submit runs the chunk
@@ -301,6 +277,8 @@ class ChunkLoop:
                 and program.steps_done % self.opts.checkpoint_every == 0
                 and status != "non-finite"  # (never save the non-finite weights)
             ):
+                if program.steps_done >= target:  # the goal is reached: nothing left unfinished
+                    self.saver.goal_step = 0
                 self._save()
             if self.fixed_k is None and not first_call and done:
                 if executor.max_in_flight > 1:
@@ -322,6 +300,16 @@ class ChunkLoop:
             first_call = False
         if status == "finished" and not reason and stopping and program.steps_done < target:
             status, reason = "stopped", run.stopped_reason(program.steps_done - first_step)
+            if run._preempted:
+                status = "preempted"
+                reason = (
+                    f"preempted at step {program.steps_done - first_step} ({run._preempted})"
+                    + (
+                        "; its checkpoint keeps the run's goal: run it again with the same steps to finish it"
+                        if self.saver
+                        else "; no checkpoint_dir was given, so nothing was saved"
+                    )
+                )
         return status, reason
 
     def _exhausted(self, ran: int) -> str:
@@ -394,30 +382,3 @@ class ChunkLoop:
             raise self.executor.explain(error) from None
         if path:
             self.run.publish("checkpoint", path=path, final=final)
-
-
-class _stop_on_sigint:
-    """First Ctrl-C (or a Jupyter interrupt): stop at the next step boundary. Second: abort."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        self.previous = signal.getsignal(signal.SIGINT)
-
-        def handler(signum, frame):
-            if self.run.stop_requested:
-                signal.signal(signal.SIGINT, self.previous)
-                raise KeyboardInterrupt
-            self.run.interrupt()
-
-        signal.signal(signal.SIGINT, handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-        return False

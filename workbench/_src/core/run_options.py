@@ -36,6 +36,11 @@ class RunOptions:
         14:02"); the run store adds a suffix when another run there has it.
       tags: labels for finding the run later (wb.runs()["tags"], wb.tag_run).
       hparams: the run's hyperparameters, e.g. {"lr": 1e-3}: columns of wb.runs().
+      max_restarts: on worker processes (multi-worker, async-ps), how many times the run heals
+        itself when a member is lost (killed, frozen, its host gone) or preempted: new processes,
+        then the latest checkpoint restored, and training goes on (launch/heal.py; the record is
+        `run.restarts`). Without checkpoint_dir a temporary folder holds the checkpoints; without
+        checkpoint_every the run saves every 100 steps. In one process there is nothing to heal.
     """
 
     steps: int
@@ -52,6 +57,7 @@ class RunOptions:
     name: str | None = None
     tags: tuple = ()
     hparams: dict | None = None
+    max_restarts: int = 0
 
     def __post_init__(self):
         steps = self.steps
@@ -76,6 +82,11 @@ class RunOptions:
         if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
             raise ConfigurationError(
                 f"warmup must be an integer >= 0 (steps); received warmup={self.warmup!r}. Fix: e.g. warmup=10."
+            )
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ConfigurationError(
+                f"max_restarts must be an integer >= 0 (heals of a run on worker processes); received "
+                f"max_restarts={self.max_restarts!r}. Fix: e.g. max_restarts=3."
             )
         if not isinstance(self.resume, bool):
             raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
@@ -113,6 +124,7 @@ class RunOptions:
             "resume",
             "on_nonfinite",
             "warmup",
+            "max_restarts",  # (a healing run saves at its start: core/run_loop.py)
         )
         return {k: getattr(self, k) for k in keep}
 

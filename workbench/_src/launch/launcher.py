@@ -18,6 +18,7 @@ from workbench._src.core.run_loop import drive, new_run
 from workbench._src.core.run_options import options_from
 from workbench._src.launch import pool as pools
 from workbench._src.launch import shipping
+from workbench._src.launch.heal import Healing, preempted_member_name
 from workbench._src.launch.placement import Task
 from workbench._src.launch.watch import Watch, task_order
 
@@ -37,6 +38,7 @@ class Launcher:
         self.plan = plan
         self.last_processes: list[dict] = []  # role/index/pid of every process of the last launch
         self.pool = None  # the pool of the last launch (launch/pool.py)
+        self.healing = None  # the heals of the run going on (launch/heal.py)
 
     @property
     def startup_timeout(self) -> float:
@@ -52,18 +54,39 @@ class Launcher:
         (configured from `replicator`), with the chief's events relayed into it. The chief's
         trained weights come back into `local_variables` (the variables a cell made here)."""
         opts = options_from(steps, options)
-        work.steps, work.options = steps, opts.for_workers()
         run = new_run(replicator, work.step_fn, work.input_fn, opts)
+        healing = Healing(run, opts, opts.for_workers())
+        work.steps = steps
+
+        def attempt(run):
+            """One launch of the run; with max_restarts, a lost or preempted member heals it."""
+            while True:
+                work.options = dict(healing.options)
+                try:
+                    results = self.launch(work, run)
+                except WorkerError as error:
+                    if healing.lost_member(error):
+                        healing.heal(error.task, error.cause)
+                        continue  # (the failed pool was retired: the next launch starts a new one)
+                    if healing.scratch is None and "checkpoint" not in error.args[0]:
+                        # (an async coordinator's names it already; a temporary one is gone)
+                        saved = [e.data.get("path") for e in run.events if e.kind == "checkpoint"]
+                        error.args = (error.args[0] + checkpoint_hint(saved[-1] if saved else None),)
+                    raise
+                chief = results[self.chief]
+                if healing.preempted_member(chief):
+                    self.shutdown()  # the preempted member's machine is going away: new processes
+                    healing.heal(preempted_member_name(chief["reason"]), "preempted (SIGTERM)")
+                    continue
+                return chief
 
         def body(run):
+            self.healing = healing
             try:
-                results = self.launch(work, run)
-            except WorkerError as error:
-                if "checkpoint" not in error.args[0]:  # (an async coordinator's names it already)
-                    saved = [e.data.get("path") for e in run.events if e.kind == "checkpoint"]
-                    error.args = (error.args[0] + checkpoint_hint(saved[-1] if saved else None),)
-                raise
-            chief = results[self.chief]
+                chief = attempt(run)
+            finally:
+                self.healing = None
+                healing.close()
             run.compile_seconds = chief.get("compile_seconds")
             startup = getattr(run, "startup", None)
             if startup is not None:  # the rest of the start, measured in the chief

@@ -11,6 +11,7 @@ import json
 import os
 
 BACKEND_ENV = "WORKBENCH_BACKEND"  # {"backend": "multi-worker", "options": {...}}
+TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which member this process is (every placement)
 _launched = False
 _replicator = None
 

@@ -170,6 +170,8 @@ def train(
     background: bool = False,
     live: bool = True,
     checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    max_restarts: int = 0,
     logdir: str | None = None,
     dashboard=None,
     cell: str | None = None,
@@ -189,6 +191,7 @@ def train(
       cell, namespace: a %%replicate cell's source and the notebook namespace, for backends
         whose steps run in other processes (multi-worker): the source travels, not functions.
       name, tags: the run's name (unique in the run store) and tags (`--name`, `--tags`).
+      checkpoint_every, max_restarts: as repl.train's (`--checkpoint-every`, `--max-restarts`).
     """
 
     runstore.install()
@@ -200,6 +203,8 @@ def train(
             options = dict(
                 steps_per_execution=steps_per_execution,
                 checkpoint_dir=checkpoint_dir,
+                checkpoint_every=checkpoint_every,
+                max_restarts=max_restarts,
                 background=background,
                 sinks=sinks,
                 name=name,

@@ -40,11 +40,11 @@ from pathlib import Path
 
 from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
+from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
 from workbench._src.placements.proc import process_cpu_seconds
 
 LOOPBACK = "127.0.0.1"
-TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
 LOG_DIR_ENV = "WORKBENCH_LOG_DIR"  # a child's group's log folder: groups it makes nest inside
 TMP_DIR_ENV = "WORKBENCH_PROCESS_TMPDIR"  # a child's own temp folder (also its TMPDIR)

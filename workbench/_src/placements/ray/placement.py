@@ -98,7 +98,7 @@ class RayMember:
 
 
 class RayMembers:
-    """The pool's actors, with the process group's questions (launcher._Watch asks them)."""
+    """The pool's actors, with the process group's questions (launch/watch.py asks them)."""
 
     def __init__(self, members: list[RayMember]):
         self.children = members
