@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench._src.core.run_stats import figures, fmt, last_metrics, shown_reason
+from workbench._src.core.tracebacks import plain, readable, shown_text
 
 _source_override: str | None = None  # set by `workbench run FILE.py` (set_source)
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Run of this process
@@ -358,22 +359,35 @@ class Run:
             self._done.set()
 
     def _fail(self, error: BaseException) -> None:
-        """Ends the run as failed with `error`, which then carries this run (`error.run`)."""
-        self.error = error
+        """Ends the run as failed with `error`, which then carries this run (`error.run`).
+
+        What is kept (and re-raised) is the error's cause, with the researcher's frames only
+        (core/tracebacks.py): the reason every view shows starts with the cause's own sentence.
+        """
+        error = self.error = readable(error)
         if getattr(error, "run", None) is None:
             try:
                 error.run = self  # the history up to the failure travels with the error
             except AttributeError:  # a built-in exception that takes no attributes
                 pass
-        import traceback
+        reason = plain(f"{type(error).__name__}: {error}")
+        self._end("failed", reason, details=shown_text(error)[-20000:])
 
-        details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        self._end("failed", f"{type(error).__name__}: {error}", details=details[-20000:])
+    @property
+    def _ipython_display_(self):
+        """IPython's display hook, there only while the run trains in the background: its output
+        then becomes its summary when it ends (core/run_display.py). Any other run is a plain
+        result (an AttributeError here is how IPython hears "no such hook")."""
+        if self.status in ENDED_STATUSES or self._thread is None:
+            raise AttributeError("_ipython_display_")
+        from workbench._src.core.run_display import display_run
+
+        return lambda: display_run(self)
 
     def _repr_html_(self):
         import html
 
-        if not self.ended and self._thread is not None:
+        if self.status not in ENDED_STATUSES and self._thread is not None:
             # Shown once when the cell ends and never refreshed: no frozen "running, steps 0".
             return (
                 f"<b>wb.Run</b> {html.escape(self.name)}: training in the background "

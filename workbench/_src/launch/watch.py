@@ -13,6 +13,7 @@ import time
 
 from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
+from workbench._src.core.tracebacks import full_tracebacks
 
 # The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
 # that keeps using CPU is busy: its heartbeat thread cannot run while another thread holds
@@ -156,7 +157,9 @@ class Watch:
                 return
             steps = data.get("steps", run.config.get("steps"))
             run.config["steps"] = steps  # (a resumed run that finishes its goal runs fewer)
-            run.publish("started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps)
+            run.publish(
+                "started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps
+            )
         elif event_kind in ("checkpoint", "message"):
             run.publish(event_kind, **data)
 
@@ -309,18 +312,32 @@ class Watch:
         kind = getattr(workbench_errors, error.get("error_class") or "", None)
         if kind is not None and kind is not WorkerError:
             # The user's mistake (a bad cell, a wrong batch): the same error class and message
-            # as on an in-process backend, not a wrapper around it.
-            raise kind(error["message"])
+            # as on an in-process backend, not a wrapper around it; the process named after it.
+            raise kind(f"{error['message']}\n(raised in {_label(first)})")
         if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
-            raise WorkerError(error["message"], task=error.get("task") or _label(first), cause="its server stopped answering")
+            raise WorkerError(
+                error["message"],
+                task=error.get("task") or _label(first),
+                cause="its server stopped answering",
+            )
         summary = error["summary"]
-        # A collective that failed with no member seen to die: its peer's host or link is gone.
-        lost = summary.startswith(_PEER_LOST_ERRORS)
-        self._raise(
-            f"{_label(first)} failed{self._at_step()}: {summary}\n--- its traceback ---\n"
-            f"{_trim_traceback(error.get('traceback', ''))}",
-            None,
-            cause=summary.split(":")[0] if lost else None,
+        if summary.startswith(_PEER_LOST_ERRORS):
+            # A collective that failed with no member seen to die: its peer's host or link is gone.
+            self._raise(
+                f"{_label(first)} failed{self._at_step()}: {summary}\n--- its traceback ---\n"
+                f"{_trim_traceback(error.get('traceback', ''))}",
+                None,
+                cause=summary.split(":")[0],
+            )
+        # Any other error of the user's code: the process and the cause's own sentence first,
+        # then the frames of their code in that process (every frame under WORKBENCH_TRACEBACKS=full).
+        full = full_tracebacks() or not error.get("shown")
+        shown = _trim_traceback(error.get("traceback", "")) if full else error["shown"].strip()
+        raise WorkerError(
+            f"{_label(first)}: {error.get('cause') or summary}\n--- {_label(first)}'s traceback ---\n"
+            f"{shown}\n(The {self.launcher.backend} run failed{self._at_step()}"
+            f"{'' if full else '; WORKBENCH_TRACEBACKS=full shows every frame'}.)",
+            task=_label(first),
         )
 
     def _at_step(self) -> str:
@@ -338,7 +355,9 @@ class Watch:
             if tail:
                 log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
         backend = self.launcher.backend
-        raise WorkerError(f"{backend} run failed: {text}{log}", task=_label(task) if task else None, cause=cause)
+        raise WorkerError(
+            f"{backend} run failed: {text}{log}", task=_label(task) if task else None, cause=cause
+        )
 
 
 PHASES = ("spawn", "imports", "servers", "cluster join", "shipping")

@@ -19,6 +19,7 @@ from workbench._src.core import registry
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.notebook import session
+from workbench._src.notebook.session import equivalent_magic  # (re-exported: tests import it here)
 from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.sinks.dashboard import Dashboard
 
@@ -376,10 +377,17 @@ class Panel(w.VBox):
             self._cluster.value, self._cluster.disabled = self.cluster, not spec.takes_workers
         finally:
             self._syncing = False
-        self.magic_line = session.magic_line(
-            self.backend, *self._counts(), steps=self.steps, background=True, cluster=self._cluster_choice()
+        self.magic_line = equivalent_magic(
+            self.backend, self.replicas, self.workers, self.ps, self.cluster, steps=self.steps
         )
-        self._magic.value = f"equivalent magic (copy into a cell):<pre style='margin:2px 0'>{html.escape(self.magic_line)}</pre>"
+        where = (
+            "first line of the %%replicate cell that builds the model"
+            if self.magic_line.startswith("%%")
+            else "copy into a cell"
+        )
+        self._magic.value = (
+            f"equivalent magic ({where}):<pre style='margin:2px 0'>{html.escape(self.magic_line)}</pre>"
+        )
 
     def _counts(self) -> tuple:
         spec = self._spec

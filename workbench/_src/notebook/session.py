@@ -27,7 +27,17 @@ from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.sinks import runstore
 from workbench._src.sinks.dashboard import Dashboard
 
-__all__ = ["choose", "current", "current_choice", "current_or_none", "magic_line", "observe", "train", "use"]
+__all__ = [
+    "choose",
+    "current",
+    "current_choice",
+    "current_or_none",
+    "equivalent_magic",
+    "magic_line",
+    "observe",
+    "train",
+    "use",
+]
 
 _last_cell: str | None = None  # the last %%replicate cell's source (the panel sends it to processes)
 
@@ -140,10 +150,12 @@ def magic_line(
     functions: tuple[str, str] | None = ("step_fn", "input_fn"),
     background: bool = False,
     cluster: str | None = None,
+    cell: bool = False,
 ) -> str:
-    """The `%replicate` line that does the same as these options (shown by the panel to copy)."""
-    parts = ["%replicate"]
-    if functions:
+    """The `%replicate` line that does the same as these options (shown by the panel to copy);
+    cell=True: the first line of a `%%replicate` cell (which names no functions)."""
+    parts = ["%%replicate" if cell else "%replicate"]
+    if functions and not cell:
         parts += list(functions)
     parts += ["--backend", backend]
     for flag, value in (
@@ -222,3 +234,20 @@ def train(
     if background and dashboard is not None:
         dashboard.attach_stop(run.stop)
     return run
+
+
+def equivalent_magic(
+    backend: str, replicas: int, workers: int, ps: int, cluster: str = "", *, steps: int
+) -> str:
+    """The magic that does what Run does with this choice (the panel's counts that the backend
+    takes). A process backend builds the model in each of its processes, from the cell that
+    builds it (Run sends the last one): its line heads that `%%replicate` cell. Pasted as a line
+    it would train notebook functions whose model lives here, which cannot travel."""
+    spec = registry.spec(backend)
+    counts = (
+        replicas if spec.takes_replicas else None,
+        workers if spec.takes_workers else None,
+        ps if spec.takes_ps else None,
+    )
+    where = (cluster or None) if spec.takes_workers else None
+    return magic_line(backend, *counts, steps=steps, background=True, cluster=where, cell=spec.in_processes)
