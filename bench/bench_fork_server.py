@@ -1,4 +1,4 @@
-"""Cold starts with and without the fork server (workbench/_src/launch/fork_server.py).
+"""Cold starts with and without the fork server (workbench/_src/placements/local/fork_server.py).
 
 Run: python bench/bench_fork_server.py [--repeats 3] [--steps 50]
 

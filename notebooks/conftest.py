@@ -43,7 +43,7 @@ def pytest_runtest_setup(item):
     if _runs_dir is None:
         _runs_dir = tempfile.mkdtemp(prefix="workbench-notebook-runs-")
         # Short: a Ray instance started by a notebook puts its root here only when the path leaves
-        # room for Ray's socket paths (launch/ray_cluster.py), else in /tmp, where it stayed.
+        # room for Ray's socket paths (placements/ray/cluster.py), else in /tmp, where it stayed.
         _tmp_dir = tempfile.mkdtemp(prefix="wb")
     for name, value in (("WORKBENCH_RUNS_DIR", _runs_dir), ("TMPDIR", _tmp_dir)):
         _saved_env[name] = os.environ.get(name)

@@ -19,7 +19,10 @@ import psutil
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CLUSTER_MODULES = ("workbench._src.launch.worker_main", "workbench._src.launch.server_main")
+CLUSTER_MODULES = (
+    "workbench._src.placements.local.worker_main",
+    "workbench._src.placements.local.server_main",
+)
 RNG = np.random.RandomState(0)
 X = RNG.randn(64, 8).astype("float32")
 Y = RNG.randn(64, 1).astype("float32")
@@ -223,7 +226,7 @@ class LabFrontend:
         self.kc, self.comm_id = kc, "" if opened_by_kernel else uuid.uuid4().hex
 
     def open(self) -> None:
-        from workbench._src.sinks.labcomm import TARGET
+        from workbench._src.notebook.labcomm import TARGET
 
         self._shell("comm_open", {"comm_id": self.comm_id, "target_name": TARGET, "data": {"type": "hello"}})
 
@@ -246,7 +249,7 @@ class LabFrontend:
     def read(self, until, timeout: float = 60) -> list[tuple[float, str, dict]]:
         """This comm's messages (time, type, data) until `until(type, data)` holds (None: all
         that arrive within `timeout`)."""
-        from workbench._src.sinks.labcomm import TARGET
+        from workbench._src.notebook.labcomm import TARGET
 
         got, deadline = [], time.time() + timeout
         while time.time() < deadline:

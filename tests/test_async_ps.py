@@ -123,7 +123,7 @@ def test_async_ps_killed_parameter_server_fails_fast_and_checkpoint_restores(tmp
 @pytest.mark.shares_warm_pool
 @pytest.mark.parametrize("backend", ["multi-worker", "async-ps"])
 def test_local_cluster_listens_on_loopback_only_and_refuses_the_host_address(backend):
-    from workbench._src.launch import netns
+    from workbench._src.placements.local import netns
 
     repl = wb.replicator(backend, num_workers=2)
     run = repl.train(setup=regression_setup, steps=10**7, background=True)

@@ -9,7 +9,7 @@ from notebook_toy import ipython_shell, isolated_notebook_state
 
 from workbench._src.core import tracebacks
 from workbench._src.core.errors import ConfigurationError
-from workbench._src.sinks import labcomm
+from workbench._src.notebook import labcomm
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -328,7 +328,7 @@ def _resolver(ports, index):
 def test_a_peer_that_never_starts_raises_instead_of_killing_the_caller():
     import time
 
-    from workbench._src.launch.join_watchdog import wait_for_peers
+    from workbench._src.backends.join_watchdog import wait_for_peers
 
     ports = [_free_port(), _free_port()]
     start = time.monotonic()
@@ -347,7 +347,7 @@ def test_peers_waiting_for_each_other_all_go_on():
     # once a task goes on, "TensorFlow's server" (a listener here) binds the port it released.
     import threading
 
-    from workbench._src.launch.join_watchdog import wait_for_peers
+    from workbench._src.backends.join_watchdog import wait_for_peers
 
     ports = [_free_port(), _free_port(), _free_port()]
     results, servers, all_done = {}, [], threading.Event()
@@ -380,8 +380,8 @@ def test_a_port_held_by_something_that_is_not_a_peer_is_named_within_the_timeout
     import socket
     import time
 
-    from workbench._src.launch.join_watchdog import wait_for_peers
-    from workbench._src.launch.peer_probe import NOT_A_PEER, PEER, UNREACHABLE, probe
+    from workbench._src.backends.join_watchdog import wait_for_peers
+    from workbench._src.backends.peer_probe import NOT_A_PEER, PEER, UNREACHABLE, probe
 
     ports = [_free_port(), _free_port()]
     impostor = socket.socket()

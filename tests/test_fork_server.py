@@ -1,4 +1,4 @@
-"""The fork server (workbench/_src/launch/fork_server.py): the workbench's worker and server
+"""The fork server (workbench/_src/placements/local/fork_server.py): the workbench's worker and server
 modules start as forks of a process that has imported TensorFlow, each as the process a fresh
 `python -m` would have been (own session, pipes, log, environment, network), and nothing outlives
 the launcher. The process-backend tests run every cluster through it."""
@@ -16,12 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from workbench._src.launch import fork_server
-from workbench._src.launch.processes import ProcessGroup, free_ports
+from workbench._src.placements.local import fork_client, fork_server
+from workbench._src.placements.local.processes import ProcessGroup, free_ports
 
 pytestmark = pytest.mark.slow  # each test process starts a fork server once (~3-5 s)
 
-SERVER = "workbench._src.launch.server_main"
+SERVER = "workbench._src.placements.local.server_main"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -42,7 +42,7 @@ def test_a_server_is_forked_into_the_groups_network_and_session():
     try:
         env, port = _server_env()
         child = group.start("worker", 0, SERVER, env)
-        assert isinstance(child.popen, fork_server.ForkedProcess)
+        assert isinstance(child.popen, fork_client.ForkedProcess)
         process = psutil.Process(child.pid)
         # `ps` shows the command it stands for; its parent is the fork server, not us
         assert SERVER in " ".join(process.cmdline())
@@ -67,7 +67,7 @@ def test_a_forked_process_that_fails_reports_its_code_and_traceback():
     try:
         # A server with no cluster in its environment: the KeyError a fresh interpreter would print
         child = group.start("worker", 0, SERVER, {})
-        assert isinstance(child.popen, fork_server.ForkedProcess)
+        assert isinstance(child.popen, fork_client.ForkedProcess)
         assert child.popen.wait(timeout=30) == 1
         assert child.exit_description() == "exited with code 1"
         assert "KeyError: 'WORKBENCH_CLUSTER'" in child.log_tail()
@@ -109,13 +109,13 @@ def test_nothing_outlives_the_launcher(tmp_path):
             f"""
             import json, sys
             sys.path.insert(0, {str(REPO)!r})
-            from workbench._src.launch import fork_server
-            from workbench._src.launch.processes import ProcessGroup, free_ports
+            from workbench._src.placements.local import fork_client
+            from workbench._src.placements.local.processes import ProcessGroup, free_ports
             group = ProcessGroup("fork-probe", stop_at_exit=False)
             port = free_ports(1)[0]
             child = group.start("worker", 0, {SERVER!r},
                                 {{"WORKBENCH_CLUSTER": json.dumps({{"worker": [f"127.0.0.1:{{port}}"]}})}})
-            server = fork_server._servers[0]
+            server = fork_client.STATE.started[0]
             print(json.dumps({{"child": child.pid, "server": server.popen.pid, "folder": server.folder}}))
             """
         )
@@ -142,14 +142,14 @@ def test_a_malformed_request_is_dropped_and_the_fork_server_serves_on():
         first, second = free_ports(2)
         env = {"WORKBENCH_CLUSTER": json.dumps({"worker": [f"127.0.0.1:{first}", f"127.0.0.1:{second}"]})}
         group.start("worker", 0, SERVER, env)  # (the fork server is up)
-        server = fork_server._server
+        server = fork_client.STATE.server
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
             s.connect(server.path)
             s.send(b"not json")
             assert s.recv(100) == b""  # no answer: the client would start a fresh interpreter
         assert server.popen.poll() is None
         child = group.start("worker", 1, SERVER, env)
-        assert isinstance(child.popen, fork_server.ForkedProcess)
+        assert isinstance(child.popen, fork_client.ForkedProcess)
         _wait_listening(group, second)
     finally:
         group.stop()

@@ -79,7 +79,7 @@ def _run0(data: dict) -> dict:
 def test_kernel_helper_pushes_rate_limited_snapshots_and_stops_a_background_run(
     tmp_path, monkeypatch, child_tmpdir
 ):
-    """The comm protocol of workbench/_src/sinks/labcomm.py in a real kernel, as the sidebar uses
+    """The comm protocol of workbench/_src/notebook/labcomm.py in a real kernel, as the sidebar uses
     it: snapshots, Stop, the figure, the run store's rows (hparams) and the compare reply's series."""
     from jupyter_client.manager import start_new_kernel
 

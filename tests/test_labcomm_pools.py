@@ -1,4 +1,4 @@
-"""The JupyterLab sidebar's worker pools: the kernel side (workbench/_src/sinks/labcomm.py).
+"""The JupyterLab sidebar's worker pools: the kernel side (workbench/_src/notebook/labcomm.py).
 
 A real kernel with the workbench loaded, spoken to over jupyter_client as the sidebar speaks to it
 (the comm is the only stand-in: it is JupyterLab's end of the transport, as in

@@ -1,19 +1,24 @@
 """The package's shape, checked by reading its source (AST; nothing is imported):
 
 - no import cycle between the workbench's modules, counting imports made inside functions;
+- no import cycle between the folders of `workbench/_src` (its layers), counting every import;
+- no module over MAX_MODULE_LINES lines, and the process layer (`launch/`) within its budget;
 - no module but the backend registry compares a backend's name;
-- no private TensorFlow, Keras, CPython or pytest name outside `workbench/_src/compat.py`.
+- no private TensorFlow, Keras, CPython or pytest name outside `workbench/_src/compat.py`;
+- `import workbench` loads no numpy, TensorFlow or pandas (this one runs a fresh interpreter).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "workbench"
-REGISTRY = PACKAGE / "_src" / "backends" / "registry.py"
+REGISTRY = PACKAGE / "_src" / "core" / "registry.py"
 COMPAT = PACKAGE / "_src" / "compat.py"
 BACKEND_NAMES = {"single", "mirrored", "multi-worker", "async-ps", "tpu"}
 
@@ -87,6 +92,103 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+SRC = "workbench._src"
+
+
+def _imported_anywhere(name: str, tree: ast.AST) -> set[str]:
+    """Every module path `name` imports, absolute or relative, at module level or in a function
+    (`from a import b` counts as a.b too: b may be a module)."""
+    package = name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _layer(module: str) -> str | None:
+    """The folder of `workbench/_src` a module belongs to (a top-level module is its own)."""
+    if not module.startswith(SRC + "."):
+        return None
+    return module[len(SRC) + 1 :].split(".")[0]
+
+
+def _layer_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    graph: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], list[str]] = {}
+    for name, tree in TREES.items():
+        mine = _layer(name)
+        if mine is None:
+            continue
+        graph.setdefault(mine, set())
+        for target in _imported_anywhere(name, tree):
+            theirs = _layer(target)
+            if theirs is not None and theirs != mine:
+                graph[mine].add(theirs)
+                graph.setdefault(theirs, set())
+                why.setdefault((mine, theirs), []).append(f"{name} imports {target}")
+    return graph, why
+
+
+def test_no_import_cycle_between_the_folders_of_src():
+    # The layers, bottom up: compat; core; plots; sinks; store; launch; placements; backends;
+    # numerics, studies; options; notebook; scripts. Every import counts, also one inside a
+    # function: a cycle there is a tangle all the same, only found later.
+    graph, why = _layer_graph()
+    cycles = _cycles(graph)
+    edges = {
+        f"{a} -> {b}": why[(a, b)][:3] for cycle in cycles for a in cycle for b in graph[a] if b in cycle
+    }
+    assert cycles == [], f"folders in an import cycle: {cycles}; their imports: {edges}"
+
+
+def test_the_layer_check_counts_relative_imports_and_imports_in_functions():
+    tree = ast.parse("def f():\n    from ..core import errors\n    import workbench._src.sinks.runstore\n")
+    found = _imported_anywhere("workbench._src.launch.pool", tree)
+    assert {"workbench._src.core.errors", "workbench._src.sinks.runstore"} <= found
+    assert {_layer(t) for t in found} >= {"core", "sinks"}
+
+
+MAX_MODULE_LINES = 450  # a module past ~400 lines is a smell (STYLE.md): split it by concept
+MAX_LAUNCH_LINES = 3000  # the process layer above the placements (launch/), all of it
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_no_module_over_the_limit():
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n for p in MODULES.values() if (n := _lines(p)) > MAX_MODULE_LINES
+    }
+    assert long == {}, f"split these by concept (at most {MAX_MODULE_LINES} lines a module)"
+
+
+def test_the_process_layer_within_its_budget():
+    total = sum(_lines(p) for p in (PACKAGE / "_src" / "launch").rglob("*.py"))
+    assert total <= MAX_LAUNCH_LINES
+
+
+def test_import_workbench_loads_no_numpy_tensorflow_or_pandas():
+    code = (
+        "import sys, workbench; heavy = [m for m in ('numpy', 'tensorflow', 'pandas') if m in sys.modules]; "
+        "print(heavy, len([m for m in sys.modules if m.startswith('workbench')]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    heavy, modules = out.stdout.strip().rsplit(" ", 1)
+    assert heavy == "[]", out.stdout
+    assert int(modules) <= 2, (
+        f"`import workbench` loaded {modules} workbench modules: load public names lazily"
+    )
+
+
 def _backend_name_comparisons(tree: ast.AST) -> list[int]:
     def names_a_backend(node) -> bool:
         if isinstance(node, ast.Constant):
@@ -108,7 +210,7 @@ def test_only_the_registry_compares_backend_names():
         for name, tree in TREES.items()
         if MODULES[name] != REGISTRY and (lines := _backend_name_comparisons(tree))
     }
-    assert found == {}, "use the backend's spec (backends/registry.py) instead of its name"
+    assert found == {}, "use the backend's spec (core/registry.py) instead of its name"
 
 
 def test_the_name_check_finds_a_comparison():
@@ -141,9 +243,15 @@ PUBLIC_UNDERSCORED = {"_exit", "_fields", "_asdict", "_replace", "_make"}
 OURS = _defined_private_names() | PUBLIC_UNDERSCORED
 
 
+# TensorFlow's and Keras's private trees (their public API is `tensorflow` / `keras` and the
+# names under them), and pytest's internals.
+PRIVATE_MODULES = ("tensorflow.python", "tensorflow.core", "keras.src", "_pytest")
+
+
 def _private_uses(tree: ast.AST) -> list[str]:
     """Private names of other projects: an attribute `_x` the workbench never defines, the
-    `tensorflow.python` tree, pytest's `_pytest`, CPython's `pythonapi` and `_exitfunc`."""
+    `tensorflow.python`, `tensorflow.core` and `keras.src` trees, pytest's `_pytest`, CPython's
+    `pythonapi` and `_exitfunc`."""
     uses = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -152,13 +260,9 @@ def _private_uses(tree: ast.AST) -> list[str]:
                 uses.append(f"{node.lineno}: .{node.attr}")
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            uses += [
-                f"{node.lineno}: import {m}"
-                for m in modules
-                if m.startswith(("tensorflow.python", "_pytest"))
-            ]
+            uses += [f"{node.lineno}: import {m}" for m in modules if m.startswith(PRIVATE_MODULES)]
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value.startswith("tensorflow.python"):
+            if node.value.startswith(PRIVATE_MODULES):
                 uses.append(f"{node.lineno}: {node.value!r}")
     return uses
 
@@ -177,6 +281,8 @@ def test_private_names_of_other_projects_only_in_compat():
     [
         "opt._clip_gradients(g)",
         "import tensorflow.python.data",
+        "from tensorflow.core.util import event_pb2",
+        "from keras.src import backend",
         "from _pytest.doctest import DoctestModule",
         "ctypes.pythonapi.Py_IncRef(x)",
         "sys.modules.get('tensorflow.python.data.ops.iterator_ops')",

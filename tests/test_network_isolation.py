@@ -26,13 +26,13 @@ from helpers import connect_error, host_addresses, wait_for
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 PROBE_ENV = {"PYTHONPATH": TESTS}
-SERVER_MODULE = "workbench._src.launch.server_main"
-WORKER_MODULE = "workbench._src.launch.worker_main"
+SERVER_MODULE = "workbench._src.placements.local.server_main"
+WORKER_MODULE = "workbench._src.placements.local.worker_main"
 
 
 def assert_unreachable_from_host(group, ports: list[int]) -> None:
     """Every port of the group: loopback-only namespace, refused on every address of the host."""
-    from workbench._src.launch import netns
+    from workbench._src.placements.local import netns
 
     ours = os.readlink("/proc/self/ns/net")
     for child in group.children:
@@ -51,7 +51,7 @@ def assert_unreachable_from_host(group, ports: list[int]) -> None:
 # ----- TensorFlow servers in the namespace ------------------------------------------------------------
 @pytest.mark.slow
 def test_tensorflow_servers_are_unreachable_from_the_host():
-    from workbench._src.launch.processes import ProcessGroup, free_ports
+    from workbench._src.placements.local.processes import ProcessGroup, free_ports
 
     group = ProcessGroup("isolation test")
     assert group.network_isolated, group.network.reason
@@ -66,7 +66,7 @@ def test_tensorflow_servers_are_unreachable_from_the_host():
         assert_unreachable_from_host(group, ports)
         assert not any(group.port_open(p) for p in free_ports(1))  # port_open looks inside, for real
         if host_addresses():  # and exposed_sockets does flag a wildcard bind in the host network
-            from workbench._src.launch import netns
+            from workbench._src.placements.local import netns
 
             with socket.socket() as exposed:
                 exposed.bind(("0.0.0.0", 0))
@@ -79,8 +79,8 @@ def test_tensorflow_servers_are_unreachable_from_the_host():
 
 @pytest.mark.slow
 def test_multi_worker_mirrored_strategy_runs_inside_the_private_network():
-    from workbench._src.launch.channel import Channel
-    from workbench._src.launch.processes import ProcessGroup, free_ports
+    from workbench._src.placements.local.channel import Channel
+    from workbench._src.placements.local.processes import ProcessGroup, free_ports
 
     group = ProcessGroup("isolation test")
     channel = Channel(group)
@@ -129,8 +129,8 @@ def say_bye(channel, child) -> None:
 # ----- the channel over a Unix socket -------------------------------------------------------------------
 @pytest.mark.slow
 def test_channel_accepts_its_children_in_the_namespace_and_rejects_others():
-    from workbench._src.launch.channel import Channel
-    from workbench._src.launch.processes import ProcessGroup
+    from workbench._src.placements.local.channel import Channel
+    from workbench._src.placements.local.processes import ProcessGroup
 
     group = ProcessGroup("isolation test")
     channel = Channel(group)
@@ -165,8 +165,8 @@ def test_channel_accepts_its_children_in_the_namespace_and_rejects_others():
 def test_a_child_that_says_hello_before_the_group_has_recorded_its_pid_is_accepted():
     # On a busy machine the launcher's thread can be held between Popen's return and the group's
     # record of the child, while the child already says hello. Here that record comes 3 s late.
-    from workbench._src.launch.channel import PID_RECORD_WAIT, Channel
-    from workbench._src.launch.processes import ProcessGroup
+    from workbench._src.placements.local.channel import PID_RECORD_WAIT, Channel
+    from workbench._src.placements.local.processes import ProcessGroup
 
     class RecordedLate(list):
         def append(self, child):
@@ -190,7 +190,7 @@ def test_a_child_that_says_hello_before_the_group_has_recorded_its_pid_is_accept
 # ----- a group inside the namespace inherits it -------------------------------------------------------
 @pytest.mark.slow
 def test_group_started_inside_the_namespace_shares_it():
-    from workbench._src.launch.processes import ProcessGroup
+    from workbench._src.placements.local.processes import ProcessGroup
 
     group = ProcessGroup("isolation test")
     try:
@@ -215,8 +215,8 @@ def test_group_started_inside_the_namespace_shares_it():
 # ----- temporary folders -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_log_and_channel_folders_are_removed(monkeypatch):
-    from workbench._src.launch.channel import Channel
-    from workbench._src.launch.processes import ProcessGroup
+    from workbench._src.placements.local.channel import Channel
+    from workbench._src.placements.local.processes import ProcessGroup
 
     group = ProcessGroup("isolation test")
     channel = Channel(group)
@@ -244,8 +244,8 @@ def test_a_killed_launcher_leaves_no_folders_or_processes():
 
     script = """
 import json, sys, time
-from workbench._src.launch.channel import Channel
-from workbench._src.launch.processes import ProcessGroup
+from workbench._src.placements.local.channel import Channel
+from workbench._src.placements.local.processes import ProcessGroup
 group = ProcessGroup("killed launcher")
 channel = Channel(group)
 child = group.start("worker", 0, "test_network_isolation", channel.env(), ["link"])
@@ -275,8 +275,8 @@ def test_a_child_outlives_its_dead_launcher_by_seconds_even_when_its_pipe_stays_
 
     script = """
 import json, os, time
-from workbench._src.launch.channel import Channel
-from workbench._src.launch.processes import ProcessGroup
+from workbench._src.placements.local.channel import Channel
+from workbench._src.placements.local.processes import ProcessGroup
 group = ProcessGroup("launcher with a fork")
 channel = Channel(group)
 child = group.start("worker", 0, "test_network_isolation", channel.env(), ["link"])
@@ -360,9 +360,9 @@ def test_tensorflow_collectives_through_the_user_namespace_path():
     script = """
 import errno, json, os
 import test_network_isolation as t
-from workbench._src.launch import netns
-from workbench._src.launch.channel import Channel
-from workbench._src.launch.processes import ProcessGroup, free_ports
+from workbench._src.placements.local import netns
+from workbench._src.placements.local.channel import Channel
+from workbench._src.placements.local.processes import ProcessGroup, free_ports
 group = ProcessGroup("user namespace test")
 channel = Channel(group)
 ports = free_ports(2)
@@ -410,7 +410,7 @@ def test_refused_namespaces_warn_once_and_fall_back():
     script = """
 import json, warnings
 warnings.simplefilter("always")
-from workbench._src.launch.processes import ProcessGroup
+from workbench._src.placements.local.processes import ProcessGroup
 with warnings.catch_warnings(record=True) as caught:
     groups = [ProcessGroup("multi-worker"), ProcessGroup("async-ps")]
     child = groups[0].start("worker", 0, "test_network_isolation", {}, ["netid"])
@@ -441,7 +441,7 @@ def test_opting_out_runs_in_the_host_network_and_children_follow():
     script = """
 import json, time, warnings
 warnings.simplefilter("always")
-from workbench._src.launch.processes import ProcessGroup
+from workbench._src.placements.local.processes import ProcessGroup
 with warnings.catch_warnings(record=True) as caught:
     group = ProcessGroup("multi-worker")
     child = group.start("coordinator", 0, "test_network_isolation", {}, ["nested"])
@@ -465,7 +465,7 @@ print(json.dumps({"isolated": group.network_isolated, "child": report, "warnings
 
 
 def _netns_path() -> str:
-    from workbench._src.launch import netns
+    from workbench._src.placements.local import netns
 
     return netns.__file__
 
@@ -473,7 +473,7 @@ def _netns_path() -> str:
 # ----- the probe, run inside the namespace -------------------------------------------------------------
 def _probe(args: list[str]) -> None:
     if args[0] == "link":
-        from workbench._src.launch.channel import ParentLink, exit_when_parent_dies
+        from workbench._src.placements.local.channel import ParentLink, exit_when_parent_dies
 
         exit_when_parent_dies()
         link = ParentLink()
@@ -491,7 +491,7 @@ def _probe(args: list[str]) -> None:
             print(s.getsockname()[1], flush=True)
             sys.stdin.read()  # until the parent goes (or stops us)
     elif args[0] == "nested":
-        from workbench._src.launch.processes import ProcessGroup, port_open
+        from workbench._src.placements.local.processes import ProcessGroup, port_open
 
         group = ProcessGroup("nested")
         child = group.start("server", 0, "test_network_isolation", PROBE_ENV, ["listen", "0"])
@@ -513,7 +513,7 @@ def _all_reduce() -> None:
     # A real collective across the two worker processes, over 127.0.0.1 inside the namespace.
     import tensorflow as tf
 
-    from workbench._src.launch.channel import ParentLink, exit_when_parent_dies
+    from workbench._src.placements.local.channel import ParentLink, exit_when_parent_dies
 
     exit_when_parent_dies()
     link = ParentLink()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench._src.launch.processes import ProcessGroup
+from workbench._src.placements.local.processes import ProcessGroup
 
 # A launched process that writes into its temp folder (as AutoGraph does), says where, and waits.
 CHILD = """

@@ -1,12 +1,19 @@
 """Warm worker pools (issue 21): the processes of a process backend stay up between runs of the
 same shape, and end with a shape change, a death, shutdown(), the idle timeout or the kernel.
 
+The pool's rules are written once above the placement (launch/pool.py), so they are tested once
+per placement: the `placement` fixture gives the replicators' `cluster=` for local processes
+("local") and for Ray actors on a local Ray instance of this test process ("ray", one instance
+for the module, as ipyparallel's `engine_launcher_class` fixture runs its cluster tests once per
+launcher). Tests without the fixture are about the local placement only.
+
 Real processes, no mocks. Every check looks only at the processes the test started (run.processes,
 this test's descendants), never at the whole machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,9 +29,58 @@ from helpers import process_pid, regression_setup, wait_for
 
 import workbench as wb
 from workbench._src.launch import pool as pools
+from workbench._src.launch.placement import Link, Member, Members, Placement
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class PlacementUnderTest:
+    """What a test needs to know of one placement: the replicators' options and how a killed
+    member's end is said."""
+
+    def __init__(self, name: str, cluster=None):
+        self.name, self.cluster = name, cluster
+        # Local: the exit status; Ray: the actor's death (Ray's report, or /proc on this node).
+        self.killed = "killed by SIGKILL" if cluster is None else "died:"
+
+    def options(self, **options) -> dict:
+        return {**options, "cluster": self.cluster} if self.cluster is not None else options
+
+
+def _ray_instance():
+    """A local Ray instance of this process (`wb.RayCluster(address=None)`), its members packed
+    on it; ended with ray.shutdown(), then by the pids of whatever of it is left (never `ray
+    stop`, which ends every Ray instance of the machine)."""
+    pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+    import ray
+
+    from workbench._src.placements.proc import pid_alive, pids_naming
+
+    assert not ray.is_initialized(), "a Ray connection was left by another test module"
+    cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
+    cluster.connect()
+    root = cluster.local_root  # every process of the instance names it in its command line
+    try:
+        yield cluster
+    finally:
+        pools.shutdown()
+        ray.shutdown()
+        left = pids_naming(root)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not any(pid_alive(pid) for pid in left), 15, "the Ray instance's processes to end")
+
+
+@pytest.fixture(scope="module", params=["local", "ray"])
+def placement(request):
+    """Each test that takes it runs once with local processes and once with Ray actors."""
+    if request.param == "local":
+        yield PlacementUnderTest("local")
+    else:
+        for cluster in _ray_instance():
+            yield PlacementUnderTest("ray", cluster)
 
 
 def pids(run) -> list[int]:
@@ -42,8 +98,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_rerun_reuses_the_processes_and_says_so():
-    repl = wb.MultiWorkerReplicator(num_workers=2)
+def test_a_rerun_reuses_the_processes_and_says_so(placement):
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2))
     first = repl.train(setup=regression_setup, steps=20)
     second = repl.train(setup=regression_setup, steps=20)
     assert first.status == second.status == "finished"
@@ -51,24 +107,29 @@ def test_a_rerun_reuses_the_processes_and_says_so():
     assert set(first.startup) >= {"spawn", "imports", "cluster join", "shipping", "build", "first trace"}
     assert first.summary()["startup"] == first.startup
     assert "handoff" in second.startup and any("warm pool (run 2)" in t for t in messages(second))
+    # Both placements are the declared seam, not only alike (launch/placement.py).
+    pool = repl.launcher.pool
+    assert isinstance(pool.placement, Placement) and isinstance(pool.channel, Link)
+    assert isinstance(pool.group, Members) and all(isinstance(m, Member) for m in pool.group.children)
     # A new replicator of the same shape (e.g. %replicate chose it again) finds the same pool.
-    third = wb.MultiWorkerReplicator(num_workers=2).run_on_workers(lambda r: os.getpid())
+    third = wb.MultiWorkerReplicator(**placement.options(num_workers=2)).run_on_workers(lambda r: os.getpid())
     assert sorted(third) == sorted(pids(first))
     repl.shutdown()
     wait_for(lambda: not any(alive(p) for p in pids(first)), 15, "the pool's processes to end")
     assert pools.live_pools() == []
 
 
-def test_a_shape_change_starts_new_processes():
-    two = wb.MultiWorkerReplicator(num_workers=2).train(setup=regression_setup, steps=10)
-    one = wb.MultiWorkerReplicator(num_workers=1).train(setup=regression_setup, steps=10)
+def test_a_shape_change_starts_new_processes(placement):
+    two = wb.MultiWorkerReplicator(**placement.options(num_workers=2)).train(setup=regression_setup, steps=10)
+    one = wb.MultiWorkerReplicator(**placement.options(num_workers=1)).train(setup=regression_setup, steps=10)
     assert one.status == "finished" and not set(pids(one)) & set(pids(two))
     assert any("retired the warm multi-worker pool" in t and "another shape" in t for t in messages(one))
     wait_for(lambda: not any(alive(p) for p in pids(two)), 15, "the old pool's processes to end")
 
 
-def test_the_idle_timeout_ends_the_pool():
-    run = wb.MultiWorkerReplicator(num_workers=1, idle_timeout=2).train(setup=regression_setup, steps=10)
+def test_the_idle_timeout_ends_the_pool(placement):
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=1, idle_timeout=2))
+    run = repl.train(setup=regression_setup, steps=10)
     assert all(alive(p) for p in pids(run))
     wait_for(lambda: not any(alive(p) for p in pids(run)), 20, "the idle pool to end")
     assert pools.live_pools() == []
@@ -94,19 +155,19 @@ def test_a_pool_a_run_has_taken_is_not_stopped_by_a_retirement_decided_while_it_
     assert pool.state == "idle" and all(alive(p) for p in pids(run))
 
 
-def test_a_worker_killed_between_runs_is_noticed_and_the_next_run_starts_fresh():
-    repl = wb.MultiWorkerReplicator(num_workers=2)
+def test_a_worker_killed_between_runs_is_noticed_and_the_next_run_starts_fresh(placement):
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2))
     first = repl.train(setup=regression_setup, steps=10)
     os.kill(process_pid(first, "worker", 1), signal.SIGKILL)
     wait_for(lambda: not alive(process_pid(first, "worker", 1)), 10, "worker 1 to die")
     second = repl.train(setup=regression_setup, steps=10)
     assert second.status == "finished" and not set(pids(second)) & set(pids(first))
     notes = [t for t in messages(second) if "lost worker 1" in t]
-    assert len(notes) == 1 and "killed by SIGKILL" in notes[0] and "fresh" in notes[0], messages(second)
+    assert len(notes) == 1 and placement.killed in notes[0] and "fresh" in notes[0], messages(second)
 
 
-def test_a_failed_run_retires_the_pool_and_the_next_run_says_so():
-    repl = wb.MultiWorkerReplicator(num_workers=2)
+def test_a_failed_run_retires_the_pool_and_the_next_run_says_so(placement):
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2))
     first = repl.train(setup=regression_setup, steps=10)
 
     def broken(repl):

@@ -224,7 +224,7 @@ def test_multi_worker_frozen_worker_is_named_within_30_seconds():
 def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit():
     # Its heartbeat thread cannot run while one call holds the GIL: late heartbeats with CPU time
     # used are a busy process (the run goes on), for at most BUSY_SILENCE_LIMIT timeouts.
-    from workbench._src.launch.launcher import BUSY_SILENCE_LIMIT
+    from workbench._src.launch.watch import BUSY_SILENCE_LIMIT
 
     repl = wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=2)
     run = repl.train(setup=busy_worker_1_setup(4), steps=20)  # silent 4 s or more: 2 timeouts
@@ -254,9 +254,9 @@ def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatc
     # The race CI once lost: a worker sends its result and exits; the launcher's
     # poll sees the exit before it has read those messages. Here that order is forced: the
     # first result is held back until its worker has exited, and the poll runs first.
-    from workbench._src.launch import launcher
+    from workbench._src.launch.watch import Watch
 
-    handle = launcher._Watch._handle
+    handle = Watch._handle
     held = []
 
     def read_late(watch, task, message):
@@ -269,7 +269,7 @@ def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatc
             return
         handle(watch, task, message)
 
-    monkeypatch.setattr(launcher._Watch, "_handle", read_late)
+    monkeypatch.setattr(Watch, "_handle", read_late)
     # pool=False: each worker exits after its result (a warm pool's stay up for the next run).
     results = wb.MultiWorkerReplicator(num_workers=2, pool=False).run_on_workers(worker_number)
     assert held and sorted(results) == [0, 1]
@@ -277,7 +277,7 @@ def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatc
 
 @pytest.mark.slow
 def test_peer_that_never_starts_gives_a_startup_timeout(tmp_path):
-    from workbench._src.launch.processes import free_ports
+    from workbench._src.placements.local.processes import free_ports
 
     ports = free_ports(2)
     tf_config = {

@@ -8,7 +8,7 @@ import pytest
 from IPython.core import magic_arguments
 from notebook_toy import TOY_CELL, ipython_shell, isolated_notebook_state
 
-from workbench._src.backends import registry
+from workbench._src.core import registry
 from workbench._src.notebook.magics import ReplicateMagics, strip_comment
 from workbench._src.notebook.panel import equivalent_magic
 
@@ -94,7 +94,7 @@ def test_one_median_in_the_study_table_the_sidebar_the_run_store_and_the_figure(
 
     import workbench as wb
     from workbench._src.core.run_stats import median_rate
-    from workbench._src.sinks import labcomm
+    from workbench._src.notebook import labcomm
 
     def input_fn(ctx):
         return tf.data.Dataset.from_tensors(tf.ones([ctx.global_batch_size, 8])).repeat()

@@ -244,7 +244,7 @@ MEMBER_BUSY_THEN_ORPHANED = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from helpers import hold_the_gil_busy
-from workbench._src.launch.ray_member import Member
+from workbench._src.placements.ray.member import Member
 member = Member("worker", 1, orphan_timeout=3)
 time.sleep(1.5)
 member.poll(0.0)
@@ -274,7 +274,7 @@ def test_a_killed_kernels_ray_temp_root_is_removed_by_the_next_local_instance(tm
     """A kernel killed by a signal (nbval, JupyterLab's shutdown) runs no exit hook: its local Ray
     instance's temp root stays. The next process that starts one removes the roots of owners that
     are gone, and only those."""
-    from workbench._src.launch.ray_cluster import remove_roots_of_dead_owners
+    from workbench._src.placements.ray.cluster import remove_roots_of_dead_owners
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -293,7 +293,7 @@ def test_the_ray_root_goes_in_tmpdir_only_where_rays_socket_paths_fit(monkeypatc
     ray.init failed. A TMPDIR that leaves room holds the root; a longer one sends it to /tmp."""
     import tempfile
 
-    from workbench._src.launch import ray_cluster
+    from workbench._src.placements.ray import cluster as ray_cluster
 
     class NoRay:  # the root's exit hook shuts Ray down; nothing to shut down here
         def shutdown(self):

@@ -206,13 +206,13 @@ def test_compare_view_data_series_names_hparams_and_median_label(runs_dir, toy):
     loss and examples/s series under its store name, at most MAX_POINTS points, NaN as None; the
     table rows carry each run's hparams; the median is labelled as the compiled step's."""
     import workbench._src.store.compare as compare
-    from workbench._src.sinks import labcomm
+    from workbench._src.notebook import lab_store
 
     a = toy["repl"].train(
         toy["step_fn"], toy["input_fn"], steps=30, name="lr high", hparams={"lr": 0.1, "opt": "sgd"}
     )
     b = toy["repl"].train(toy["step_fn"], toy["input_fn"], steps=20, name="plain")
-    reply = labcomm._store_request("compare", {"run_ids": [a.id, b.id]})
+    reply = lab_store.answer("compare", {"run_ids": [a.id, b.id]}, forget=list)
     assert reply["type"] == "compare", reply
     first, second = reply["series"]
     assert (first["id"], first["name"], second["name"]) == (a.id, "lr high", "plain")
@@ -232,7 +232,7 @@ def test_compare_view_data_series_names_hparams_and_median_label(runs_dir, toy):
     assert no_loss["loss"] is None
 
     # The runs table: hparams as recorded (wb.runs() spreads them into columns).
-    rows = {r["id"]: r for r in labcomm._runs_rows()}
+    rows = {r["id"]: r for r in lab_store.runs_rows()}
     assert rows[a.id]["hparams"] == {"lr": 0.1, "opt": "sgd"} and rows[b.id]["hparams"] is None
     # The DataFrame keeps its column names (callers index them); its rendering says what the median is.
     result = wb.compare_runs([a.id, b.id])

@@ -9,7 +9,6 @@ import tensorflow as tf
 from toy_models import FEATURES, make_mlp, toy_data
 
 import workbench as wb
-from workbench._src.sinks.scaling_live import LiveScalingPlot
 from workbench._src.studies.scaling import (
     ScalingContext,
     ScalingStudy,
@@ -17,6 +16,7 @@ from workbench._src.studies.scaling import (
     scaling_metrics,
     scaling_study,
 )
+from workbench._src.studies.scaling_live import LiveScalingPlot
 
 FAST = {"steps": 6, "warmup": 2, "steps_per_execution": 3, "live": False}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import workbench as wb
-from workbench._src.backends import registry
+from workbench._src.core import registry
 from workbench._src.core.replicator import Replicator
 from workbench._src.core.tf_setup import tf
 

@@ -13,44 +13,73 @@ The TF-Replicator programming model over tf.distribute:
 Importing this package does not import TensorFlow; the first function that needs it does.
 """
 
-from workbench._src.backends import replicator
-from workbench._src.backends.async_ps import MultiWorkerAsyncReplicator
-from workbench._src.backends.mirrored import MultiGpuReplicator
-from workbench._src.backends.multi_worker import MultiWorkerReplicator
-from workbench._src.backends.single import NonReplicator
-from workbench._src.backends.tpu import TpuReplicator
-from workbench._src.core.errors import (
-    ConfigurationError,
-    DeviceError,
-    InputError,
-    NonFiniteError,
-    ReplicaContextError,
-    StepFunctionError,
-    TpuUnavailableError,
-    WorkbenchError,
-    WorkerError,
-)
-from workbench._src.core.inputs import InputContext, InputReplication
-from workbench._src.core.replicator import Replicator
-from workbench._src.core.run import Event, Run
-from workbench._src.core.tf_setup import configure_devices, device_summary
-from workbench._src.launch.ray_cluster import RayCluster
-from workbench._src.notebook.extension import (
-    current,
-    load_ipython_extension,
-    load_run,
-    runs,
-    set_runs_dir,
-    ui,
-    use,
-)
-from workbench._src.numerics.batchnorm import CrossReplicaBatchNorm
-from workbench._src.numerics.batchnorm_report import BatchNormReport, batchnorm_report
-from workbench._src.numerics.differences import compare_numerics, plot_numerics
-from workbench._src.numerics.loss_scaling import LossScalingReport, check_loss_scaling
-from workbench._src.store.compare import Comparison, compare_runs
-from workbench._src.store.runhistory import delete_runs, rename_run, tag_run
-from workbench._src.studies.scaling import ScalingStudy, scaling_study
+# Each public name and the module that defines it, imported when the name is first used
+# (PEP 562): `import workbench` itself loads no TensorFlow, numpy or pandas, and only the modules
+# of the names a notebook uses. `__all__` lists them as before; `from workbench import *` and
+# `dir(workbench)` see them all.
+_PUBLIC = {
+    "replicator": "workbench._src.core.registry",
+    "MultiWorkerAsyncReplicator": "workbench._src.backends.async_ps",
+    "MultiGpuReplicator": "workbench._src.backends.mirrored",
+    "MultiWorkerReplicator": "workbench._src.backends.multi_worker",
+    "NonReplicator": "workbench._src.backends.single",
+    "TpuReplicator": "workbench._src.backends.tpu",
+    "ConfigurationError": "workbench._src.core.errors",
+    "DeviceError": "workbench._src.core.errors",
+    "InputError": "workbench._src.core.errors",
+    "NonFiniteError": "workbench._src.core.errors",
+    "ReplicaContextError": "workbench._src.core.errors",
+    "StepFunctionError": "workbench._src.core.errors",
+    "TpuUnavailableError": "workbench._src.core.errors",
+    "WorkbenchError": "workbench._src.core.errors",
+    "WorkerError": "workbench._src.core.errors",
+    "InputContext": "workbench._src.core.inputs",
+    "InputReplication": "workbench._src.core.inputs",
+    "Replicator": "workbench._src.core.replicator",
+    "Event": "workbench._src.core.run",
+    "Run": "workbench._src.core.run",
+    "configure_devices": "workbench._src.core.tf_setup",
+    "device_summary": "workbench._src.core.tf_setup",
+    "RayCluster": "workbench._src.placements.ray.cluster",
+    "current": "workbench._src.notebook.extension",
+    "load_ipython_extension": "workbench._src.notebook.extension",
+    "load_run": "workbench._src.notebook.extension",
+    "runs": "workbench._src.notebook.extension",
+    "set_runs_dir": "workbench._src.notebook.extension",
+    "ui": "workbench.ui",  # (the subpackage itself)
+    "use": "workbench._src.notebook.extension",
+    "CrossReplicaBatchNorm": "workbench._src.numerics.batchnorm",
+    "BatchNormReport": "workbench._src.numerics.batchnorm_report",
+    "batchnorm_report": "workbench._src.numerics.batchnorm_report",
+    "compare_numerics": "workbench._src.numerics.differences",
+    "plot_numerics": "workbench._src.numerics.differences",
+    "LossScalingReport": "workbench._src.numerics.loss_scaling",
+    "check_loss_scaling": "workbench._src.numerics.loss_scaling",
+    "Comparison": "workbench._src.store.compare",
+    "compare_runs": "workbench._src.store.compare",
+    "delete_runs": "workbench._src.store.runhistory",
+    "rename_run": "workbench._src.store.runhistory",
+    "tag_run": "workbench._src.store.runhistory",
+    "ScalingStudy": "workbench._src.studies.scaling",
+    "scaling_study": "workbench._src.studies.scaling",
+}
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'workbench' has no attribute {name!r}")
+    import importlib
+
+    imported = importlib.import_module(module)
+    value = imported if module == f"{__name__}.{name}" else getattr(imported, name)
+    globals()[name] = value  # (the next lookup is a plain attribute)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from workbench._src import options
-from workbench._src.backends import registry
+from workbench._src.core import registry
 from workbench._src.scripts.demo import demo as run_demo
 from workbench._src.scripts.run_file import run_file, scale_file
 from workbench._src.sinks.progress import say

@@ -178,6 +178,19 @@ def replace_executor_scope_with_one_that_does_not_wait() -> None:
     _executor_scope_replaced = True
 
 
+def checkpoint_object_graph(reader):
+    """TensorFlow: the object graph a tf.train.Checkpoint saved (its `TrackableObjectGraph`
+    proto, read from the checkpoint's reserved `_CHECKPOINTABLE_OBJECT_GRAPH` entry). Why: the
+    names of what a checkpoint holds (its "model", "optimizer", "step" and their children) are
+    only in this proto; `tf.train.list_variables` gives the variables' paths, not the objects.
+    Checked on TensorFlow 2.21.0. Remove when TensorFlow offers the graph publicly."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    return graph
+
+
 def dataset_graph_def(dataset):
     """TensorFlow: the GraphDef of a tf.data pipeline (`Dataset._as_serialized_graph`), its maps'
     functions included, or None where it cannot be serialized. Why: a resumed run fast-forwards

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from workbench._src.backends import registry
+from workbench._src.core import registry
 
 
 def positive_int(text: str) -> int:

@@ -8,8 +8,6 @@ import re
 import threading
 import time
 
-import numpy as np
-
 from workbench._src.backends.worker_watch import WorkerWatch
 from workbench._src.core.errors import InputError, WorkerError
 from workbench._src.core.inputs import InputContext, call_input_fn
@@ -161,6 +159,8 @@ class CoordinatorExecutor:
             # the GIL: with a worker's host cut off, that froze the whole coordinator (Ctrl-C
             # included) until TCP gave up, minutes later.
             gc.collect()
+        import numpy as np  # (here: `import workbench` loads no numpy)
+
         return np.asarray(rows)[:done], done
 
     def _abandon(self, submitted: float, waiting_since: float) -> bool:

@@ -9,7 +9,7 @@ Where the coordinator runs:
     own examples do);
   - with cluster=None, never in the notebook: there the constructor returns a RemoteReplicator
     (backends/remote.py) whose plan (`AsyncPsPlan`) launches one coordinator process, which
-    starts the parameter servers and workers as local TensorFlow servers (launch/servers.py) and
+    starts the parameter servers and workers as local TensorFlow servers (placements/local/servers.py) and
     trains the cell or setup it is sent, like a multi-worker launch. Connecting a process to a cluster renames its
     TensorFlow job and fills its log with gRPC errors at shutdown: the kernel stays clean.
 
@@ -35,6 +35,7 @@ import weakref
 
 from workbench._src import compat
 from workbench._src.backends.async_coordinator import AsyncProgram, CoordinatorExecutor
+from workbench._src.backends.join_watchdog import wait_for_peers
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.backends.worker_watch import DEFAULT_WORKER_TIMEOUT
 from workbench._src.core import tf_setup
@@ -43,10 +44,9 @@ from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.tf_setup import tf
 from workbench._src.core.tracebacks import user_facing
 from workbench._src.launch import runtime
-from workbench._src.launch.join_watchdog import wait_for_peers
-from workbench._src.launch.launcher import Task
-from workbench._src.launch.ray_cluster import RayCluster
-from workbench._src.launch.servers import LocalServers
+from workbench._src.launch.placement import Task
+from workbench._src.placements.local.servers import LocalServers
+from workbench._src.placements.ray.cluster import RayCluster
 
 
 def _worker_failures_said_by_the_run(record) -> bool:
@@ -70,7 +70,7 @@ class AsyncPsPlan(LaunchPlan):
     threads_per_server: int | None = None
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
-    ray: RayCluster | None = None  # placed on a Ray cluster (launch/ray_pool.py), else local
+    ray: RayCluster | None = None  # placed on a Ray cluster (placements/ray/pool.py), else local
     # A worker of a cluster this process did not start (a real cluster, a Ray pool) that has not
     # answered for this long is lost, and the run goes on without it (backends/worker_watch.py).
     worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT

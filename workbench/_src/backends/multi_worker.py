@@ -25,9 +25,9 @@ from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.run import NO_STOP, PREEMPT, STOP
 from workbench._src.core.tf_setup import physical_gpu_count, tf
 from workbench._src.launch import runtime
-from workbench._src.launch.launcher import Task
-from workbench._src.launch.processes import free_ports
-from workbench._src.launch.ray_cluster import RayCluster
+from workbench._src.launch.placement import Task
+from workbench._src.placements.local.processes import free_ports
+from workbench._src.placements.ray.cluster import RayCluster
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ class MultiWorkerPlan(LaunchPlan):
     threads_per_worker: int | None = None
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
-    ray: RayCluster | None = None  # placed on a Ray cluster (launch/ray_pool.py), else local
+    ray: RayCluster | None = None  # placed on a Ray cluster (placements/ray/pool.py), else local
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
@@ -240,7 +240,7 @@ class MultiWorkerReplicator(ProcessBackend):
             # TensorFlow's join waits forever for a peer that never starts, holding the
             # interpreter; so wait here, where a timeout can still raise, until every peer
             # listens. (Local launches have the launcher's own deadline instead.)
-            from workbench._src.launch.join_watchdog import wait_for_peers
+            from workbench._src.backends.join_watchdog import wait_for_peers
 
             wait_for_peers(self._resolver, self.plan.startup_timeout)
         return t.distribute.MultiWorkerMirroredStrategy(

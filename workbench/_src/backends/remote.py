@@ -19,14 +19,14 @@ import gc
 import inspect
 import sys
 
-from workbench._src.backends.registry import spec
 from workbench._src.core.cells import CELL_FILENAME, execute_source
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.registry import spec
 from workbench._src.core.replicator import Replicator
 from workbench._src.core.tracebacks import user_facing
 from workbench._src.launch import runtime, shipping
 from workbench._src.launch.launcher import Launcher, task_order
-from workbench._src.launch.ray_cluster import RayCluster
+from workbench._src.placements.ray.cluster import RayCluster
 
 
 class LaunchPlan:
@@ -54,7 +54,25 @@ class LaunchPlan:
         """How long the launcher waits for every process to be ready."""
         return self.startup_timeout
 
-    # ----- placed on a Ray cluster (launch/ray_pool.py): the plan's `ray` field is set ------
+    # ----- where the processes run: the one place that picks a placement ---------------------
+    def placement(self, backend: str):
+        """This plan's processes, placed (launch/placement.py): Ray actors when the plan's `ray`
+        field names a Ray cluster, else local processes. Reserves what they need; start() starts."""
+        if getattr(self, "ray", None) is not None:
+            from workbench._src.placements.ray.placement import RayPlacement  # (Ray only then)
+
+            return RayPlacement(backend, self)
+        from workbench._src.placements.local.placement import LocalPlacement
+
+        return LocalPlacement(backend, self)
+
+    def before_placement(self) -> None:
+        """What must happen on the calling thread before a placement is made on another one:
+        connecting to Ray (ray.init sets signal handlers, which only the main thread may)."""
+        if getattr(self, "ray", None) is not None:
+            self.ray.connect()
+
+    # ----- placed on a Ray cluster (placements/ray/pool.py): the plan's `ray` field is set ------
     def ray_layout(self) -> list[tuple[str, int]]:
         """(role, index) of every process of a Ray-placed pool, the chief first."""
         return [(t.role, t.index) for t in self.tasks()]

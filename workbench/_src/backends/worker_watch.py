@@ -3,14 +3,14 @@
 TensorFlow's ClusterCoordinator re-runs the closures of a worker whose RPCs *fail*, but a worker
 whose host is cut off, or whose process is frozen, fails nothing: its closure waits in gRPC for
 minutes, and the run loop waits for that closure's result. So the coordinator probes every
-worker's address (launch/peer_probe.py: a frozen process still accepts TCP, but its gRPC server
+worker's address (backends/peer_probe.py: a frozen process still accepts TCP, but its gRPC server
 does not answer) and declares lost a worker that has not answered for `worker_timeout` seconds;
 the run loop then runs that worker's chunk again on the others, and the run goes on (the promise
 of parameter-server training). A lost worker that answers again has rejoined: TensorFlow sends it
 closures again once its stuck call returns.
 
 Servers this process started (local runs) are its children, watched by their exit instead
-(launch/servers.py); a frozen one is not seen (the coordinator waits, as TensorFlow does).
+(placements/local/servers.py); a frozen one is not seen (the coordinator waits, as TensorFlow does).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
-from workbench._src.launch.peer_probe import PEER, probe
+from workbench._src.backends.peer_probe import PEER, probe
 
 DEFAULT_WORKER_TIMEOUT = 60.0
 PROBE_INTERVAL = 2.0

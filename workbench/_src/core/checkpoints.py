@@ -195,11 +195,7 @@ def named_items(replicator, items, variables: list | None = None) -> dict:
 def saved_names(path: str) -> dict[str, list[str]]:
     """The top-level names of a checkpoint's object graph, each with its own children's names:
     {"model": [...], "optimizer": [...], "step": [], ...}."""
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
-
-    graph = trackable_object_graph_pb2.TrackableObjectGraph()
-    graph.ParseFromString(tf().train.load_checkpoint(path).get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
-    nodes = graph.nodes
+    nodes = compat.checkpoint_object_graph(tf().train.load_checkpoint(path)).nodes
     return {c.local_name: [g.local_name for g in nodes[c.node_id].children] for c in nodes[0].children}
 
 

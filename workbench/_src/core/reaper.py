@@ -18,7 +18,6 @@ C++ destructors. A deletion already under way on the reaper thread ends the proc
 
 from __future__ import annotations
 
-import atexit
 import gc
 import queue
 import sys
@@ -26,6 +25,7 @@ import threading
 import weakref
 
 from workbench._src import compat
+from workbench._src.core import exit as process_exit
 
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _lock = threading.Lock()
@@ -159,7 +159,6 @@ def _reap() -> None:
 exit_code_hint: int | None = None  # the exit status a host (pytest's conftest) knows it will return
 
 
-@atexit.register
 def _finish_at_exit() -> None:
     """Keeps every iterator not yet deleted alive for the rest of the process, so that exit never
     waits for tf.data (measured: a script that trained spent 10-30 s after its last line deleting
@@ -190,6 +189,9 @@ def _finish_at_exit() -> None:
         del queued
     if deleting:
         _exit_now()
+
+
+process_exit.on_exit("tf.data", _finish_at_exit)
 
 
 def _untracked_iterators() -> list:

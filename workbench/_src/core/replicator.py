@@ -20,13 +20,13 @@ import contextlib
 from collections.abc import Callable
 from typing import Literal
 
-from workbench._src.backends.registry import names, spec
 from workbench._src.core import cells, primitives, run_loop
 from workbench._src.core.checkpoints import Saver, named_items, restore_latest
 from workbench._src.core.errors import ConfigurationError, ReplicaContextError
 from workbench._src.core.inputs import InputReplication
 from workbench._src.core.optimizer import ReplicatedOptimizer
 from workbench._src.core.program import Program
+from workbench._src.core.registry import names, spec
 from workbench._src.core.run_options import options_from
 from workbench._src.core.tf_setup import tf
 from workbench._src.core.tracebacks import user_facing
@@ -107,7 +107,7 @@ class Replicator:
 
     @property
     def spec(self):
-        """This backend's declaration (capabilities; backends/registry.py)."""
+        """This backend's declaration (capabilities; core/registry.py)."""
         return spec(self.backend)
 
     @property

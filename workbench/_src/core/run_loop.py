@@ -21,21 +21,31 @@ of a second.
 from __future__ import annotations
 
 import collections
-import os
-import signal
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Protocol
 
 from workbench._src.core.checkpoints import with_checkpoint_hint
+from workbench._src.core.default_sinks import attach_default_sinks
 from workbench._src.core.errors import InputError, NonFiniteError
+from workbench._src.core.executors import Executor, InProcessExecutor, no_agreement
 from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
 from workbench._src.core.resume import steps_to_run
 from workbench._src.core.run import NO_STOP, PREEMPT, Run
 from workbench._src.core.run_options import RunOptions
-from workbench._src.sinks import attach_default_sinks
+from workbench._src.core.run_signals import PreemptOnSigterm, _stop_on_sigint
+
+__all__ = [
+    "ChunkLoop",
+    "Executor",
+    "InProcessExecutor",
+    "PreemptOnSigterm",
+    "drive",
+    "new_run",
+    "no_agreement",
+    "train",
+]
 
 CHUNK_SECONDS = 0.2
 MAX_STEPS_PER_EXECUTION = 1000
@@ -102,73 +112,6 @@ def drive(run: Run, body: Callable[[Run], tuple[str, str | None]], background: b
     if run.status == "non-finite" and on_nonfinite == "raise":
         raise NonFiniteError(run.stop_reason, run=run)
     return run
-
-
-class Executor(Protocol):
-    """What runs a run's chunks for ChunkLoop (InProcessExecutor here; the async-ps
-    CoordinatorExecutor in backends/async_coordinator.py)."""
-
-    max_in_flight: int  # chunks submitted before the first is collected
-    rate_window_seconds: float  # 0: each chunk's own time gives its throughput
-    replicas_per_step: int  # metric rows arrive summed over this many replicas
-
-    def start(self, run: Run) -> None: ...
-    # One k and stop kind (run.NO_STOP / STOP / PREEMPT: the most urgent wins) for all processes.
-    def agree(self, k: int, stop: int) -> tuple[int, int]: ...
-    def submit(self, k: int): ...  # starts a chunk of k steps; returns a handle
-    def collect(self, handle): ...  # (rows, steps run), or None when lost with a dead worker
-    def parallelism(self) -> int: ...
-    def extra_columns(self) -> dict: ...  # added to every history row (async-ps: live workers)
-    def explain(self, error: BaseException) -> BaseException: ...  # the error to fail the run with
-    def healthy(self) -> bool: ...  # whether a checkpoint can still be saved after a failure
-    def close(self) -> None: ...
-
-
-def no_agreement(k: int, stop: int) -> tuple[int, int]:
-    return k, stop
-
-
-class InProcessExecutor:
-    """Runs chunks of a Program's fused loop here, one at a time.
-
-    `agree`: how the processes of a run agree on each chunk's length and on stopping
-    (multi-worker replicas must run chunks of the same length and stop together; one process
-    agrees with itself).
-    """
-
-    max_in_flight = 1
-    rate_window_seconds = 0.0  # each chunk's own time gives its throughput
-
-    def __init__(self, program, agree: Callable[[int, int], tuple[int, int]] = no_agreement):
-        self.program = program
-        self.agree = agree
-        self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
-
-    def start(self, run) -> None:
-        pass
-
-    def submit(self, k: int):
-        return self.program.run_fused(k)  # runs now; program.steps_done advances
-
-    def collect(self, handle):
-        return handle
-
-    def parallelism(self) -> int:
-        return 1
-
-    def extra_columns(self) -> dict:
-        return {}
-
-    def explain(self, error: BaseException) -> BaseException:
-        """The error to fail the run with (a backend may name a dead process instead)."""
-        return error
-
-    def healthy(self) -> bool:
-        """Whether a checkpoint can still be saved after a failure."""
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 class ChunkLoop:
@@ -439,77 +382,3 @@ class ChunkLoop:
             raise self.executor.explain(error) from None
         if path:
             self.run.publish("checkpoint", path=path, final=final)
-
-
-class _stop_on_sigint:
-    """First Ctrl-C (or a Jupyter interrupt): stop at the next step boundary. Second: abort."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self.previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        self.previous = signal.getsignal(signal.SIGINT)
-
-        def handler(signum, frame):
-            if self.run.stop_requested:
-                signal.signal(signal.SIGINT, self.previous)
-                raise KeyboardInterrupt
-            self.run.interrupt()
-
-        signal.signal(signal.SIGINT, handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-        return False
-
-
-class PreemptOnSigterm:
-    """While a run goes: SIGTERM (a cluster manager or scheduler about to take the machine, a
-    `kill`) asks it to save at the next step boundary and end "preempted", as TensorFlow's
-    PreemptionCheckpointHandler does; the other processes of a multi-worker run learn it at that
-    boundary (the chunk agreement) and save with it. A second SIGTERM ends the process as usual.
-
-    A context manager installing the handler (only in the main thread: Ray runs actor calls in
-    others), and a sink: given no run, it takes the first run whose event it receives (a
-    script's foreground run, which exists only once train() has started).
-    """
-
-    sink_name = "the SIGTERM handler"
-
-    def __init__(self, cause: str = "SIGTERM", run: Run | None = None):
-        self.cause, self.run = cause, run
-        self.pending = False  # SIGTERM came before the run existed
-        self.previous = None
-
-    def send(self, event) -> None:
-        if self.run is None:
-            from workbench._src.core.run import live_run
-
-            self.run = live_run(event.run_id)
-            if self.pending and self.run is not None:
-                self.run.preempt(self.cause)
-
-    def _handle(self, signum, frame) -> None:
-        if self.pending or (self.run is not None and self.run._preempted):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the second: end as if we were not here
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        self.pending = True
-        if self.run is not None:
-            self.run.preempt(self.cause)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.getsignal(signal.SIGTERM)
-            signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-        return False

@@ -47,7 +47,7 @@ def tf_logs_wanted() -> bool:
 def hold_back_cpp_logs(env) -> None:
     """TF_CPP_MIN_LOG_LEVEL=2 in `env` (os.environ, or a child's) unless one is set already (the
     user's is kept): TensorFlow's C++ INFO and WARNING lines held back. TensorFlow reads it at
-    import, so the fork server's value must be its children's (launch/fork_server.py)."""
+    import, so the fork server's value must be its children's (placements/local/fork_server.py)."""
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 

@@ -11,6 +11,7 @@ import json
 import os
 
 BACKEND_ENV = "WORKBENCH_BACKEND"  # {"backend": "multi-worker", "options": {...}}
+TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which member this process is (every placement)
 _launched = False
 _replicator = None
 
@@ -35,8 +36,8 @@ def process_replicator():
     global _replicator
     if _replicator is None:
         # here: every backend module imports this one; only a launched process needs the registry
-        from workbench._src.backends import backend_class
         from workbench._src.core.errors import ConfigurationError
+        from workbench._src.core.registry import backend_class
 
         if not _launched or BACKEND_ENV not in os.environ:
             raise ConfigurationError(

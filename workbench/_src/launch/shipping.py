@@ -29,7 +29,7 @@ from workbench._src.core.replicator import Replicator
 from workbench._src.core.run_loop import PreemptOnSigterm
 from workbench._src.core.tf_setup import tf
 from workbench._src.core.tracebacks import cause_line, shown_text
-from workbench._src.launch.processes import TASK_ENV
+from workbench._src.launch.runtime import TASK_ENV
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
@@ -43,9 +43,9 @@ class TrainWork:
         self.replicator_options: dict = {}
 
     def __call__(self, repl, link):
-        from workbench._src.notebook import session  # here: only a launched process needs the session
+        from workbench._src.core.current import set_current
 
-        session._set(repl, None)  # wb.current() in the cell or script is this process's replicator
+        set_current(repl, None)  # wb.current() in the cell or script is this process's replicator
         for name, value in self.replicator_options.items():
             setattr(repl, name, value)
         chief = repl.worker_id == 0

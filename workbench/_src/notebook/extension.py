@@ -25,8 +25,9 @@ def load_ipython_extension(ipython) -> None:
     """
     # Here, not at the top: the magics import IPython, which `import workbench` must not pull in.
     from workbench._src.core.tf_setup import DEFAULT_VIRTUAL_CPUS, configure_devices
+    from workbench._src.notebook import labcomm
     from workbench._src.notebook.magics import ReplicateMagics
-    from workbench._src.sinks import labcomm, runstore
+    from workbench._src.sinks import runstore
 
     ipython.register_magics(ReplicateMagics)
     runstore.install()

@@ -16,8 +16,7 @@ import io
 
 from IPython.core.error import UsageError
 
-from workbench._src.backends import registry
-from workbench._src.core import cells
+from workbench._src.core import cells, registry
 from workbench._src.core.errors import ConfigurationError, DeviceError
 from workbench._src.core.inputs import call_input_fn
 from workbench._src.notebook import session

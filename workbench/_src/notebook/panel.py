@@ -15,11 +15,12 @@ import time
 import ipywidgets as w
 import traitlets
 
-from workbench._src.backends import registry
+from workbench._src.core import registry
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import device_summary
-from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.notebook import session
+from workbench._src.notebook.session import equivalent_magic  # (re-exported: tests import it here)
+from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.sinks.dashboard import Dashboard
 
 
@@ -430,25 +431,6 @@ class Panel(w.VBox):
         import __main__
 
         return vars(__main__)
-
-
-def equivalent_magic(
-    backend: str, replicas: int, workers: int, ps: int, cluster: str = "", *, steps: int
-) -> str:
-    """The magic that does what Run does with this choice (the panel's counts that the backend
-    takes). A process backend builds the model in each of its processes, from the cell that
-    builds it (Run sends the last one): its line heads that `%%replicate` cell. Pasted as a line
-    it would train notebook functions whose model lives here, which cannot travel."""
-    spec = registry.spec(backend)
-    counts = (
-        replicas if spec.takes_replicas else None,
-        workers if spec.takes_workers else None,
-        ps if spec.takes_ps else None,
-    )
-    where = (cluster or None) if spec.takes_workers else None
-    return session.magic_line(
-        backend, *counts, steps=steps, background=True, cluster=where, cell=spec.in_processes
-    )
 
 
 def _status_html(text: str) -> str:

@@ -9,21 +9,36 @@ Nothing here imports TensorFlow at import time; building a replicator does.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any
 
-from workbench._src.backends import registry
+from workbench._src.core import registry
+from workbench._src.core.current import (
+    current,
+    current_choice,
+    current_or_none,
+    forget,
+    lock,
+    observe,
+    set_current,
+)
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
-from workbench._src.launch.ray_cluster import RayCluster
+from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.sinks import runstore
 from workbench._src.sinks.dashboard import Dashboard
 
-_lock = threading.RLock()
-_current = None  # the session's Replicator
-_choice: dict | None = None  # the options it was built from; None when set as an object
-_observers: list[Callable[[Any, dict | None], None]] = []
+__all__ = [
+    "choose",
+    "current",
+    "current_choice",
+    "current_or_none",
+    "equivalent_magic",
+    "magic_line",
+    "observe",
+    "train",
+    "use",
+]
+
 _last_cell: str | None = None  # the last %%replicate cell's source (the panel sends it to processes)
 
 
@@ -56,10 +71,10 @@ def choose(
       >>> wb.use("mirrored", num_replicas=2).num_replicas
       2
     """
-    global _current, _choice
-    with _lock:
+    with lock:
+        now, chosen = current_or_none(), current_choice()
         if backend is None:
-            backend = (_choice or {}).get("backend") or getattr(_current, "backend", None) or registry.DEFAULT
+            backend = (chosen or {}).get("backend") or getattr(now, "backend", None) or registry.DEFAULT
         backend = normalize_backend(backend)
         registry.check_counts(registry.spec(backend), num_replicas, num_workers, num_ps)
         registry.check_cluster(registry.spec(backend), cluster)
@@ -70,13 +85,13 @@ def choose(
             "num_ps": num_ps,
             "cluster": cluster,
         }
-        if _current is not None and choice == _choice:
-            return _current
+        if now is not None and choice == chosen:
+            return now
         extra = {k: v for k, v in (("num_workers", num_workers), ("num_ps", num_ps)) if v is not None}
         if cluster is not None:
             extra["cluster"] = RayCluster.from_option(cluster)
         repl = registry.replicator(backend, num_replicas=num_replicas, **extra)
-        _set(repl, choice)
+        set_current(repl, choice)
         return repl
 
 
@@ -96,8 +111,7 @@ def use(replicator_or_backend=None, num_replicas: int | None = None, **options):
                 "wb.use(replicator) takes no other options; received "
                 f"num_replicas={num_replicas!r}, {options!r}. Fix: build the replicator with them."
             )
-        with _lock:
-            _set(replicator_or_backend, None)
+        set_current(replicator_or_backend, None)
         return replicator_or_backend
     workers, ps = options.pop("num_workers", None), options.pop("num_ps", None)
     if options:
@@ -107,39 +121,6 @@ def use(replicator_or_backend=None, num_replicas: int | None = None, **options):
             "wb.use(wb.replicator('mirrored', num_replicas=4, num_gpus_per_replica=2))."
         )
     return choose(replicator_or_backend, num_replicas, workers, ps)
-
-
-def current():
-    """The session's replicator: the last one chosen with %replicate, the panel or wb.use().
-
-    Raises:
-      ConfigurationError: when none has been chosen yet (the message says how).
-
-    Example:
-      >>> import workbench as wb
-      >>> repl = wb.use("single")
-      >>> wb.current().backend
-      'single'
-    """
-    with _lock:
-        if _current is None:
-            raise ConfigurationError(
-                "No replicator has been chosen in this session yet. Fix: run "
-                "`%replicate --backend mirrored --replicas 4`, pick one in wb.ui.panel(), or call "
-                "wb.use('mirrored', num_replicas=4)."
-            )
-        return _current
-
-
-def current_or_none():
-    """The session's replicator, or None (for the panel and the magic, which decide themselves)."""
-    return _current
-
-
-def current_choice() -> dict | None:
-    """The options the session's replicator was chosen with (None if set as an object or unset)."""
-    with _lock:
-        return dict(_choice) if _choice else None
 
 
 def remember_replicate_cell(source: str) -> None:
@@ -153,21 +134,11 @@ def last_replicate_cell() -> str | None:
     return _last_cell
 
 
-def observe(callback: Callable[[Any, dict | None], None]) -> Callable[[], None]:
-    """Calls callback(replicator, choice) whenever the session's replicator changes.
-
-    Returns a function that removes the callback (an open panel uses this to follow the magic).
-    """
-    with _lock:
-        _observers.append(callback)
-    return lambda: _observers.remove(callback) if callback in _observers else None
-
-
 def reset() -> None:
     """Forgets the session's replicator (tests; a fresh start in a long-lived kernel)."""
-    global _current, _choice, _last_cell
-    with _lock:
-        _current, _choice, _last_cell = None, None, None
+    global _last_cell
+    forget()
+    _last_cell = None
 
 
 def magic_line(
@@ -265,16 +236,18 @@ def train(
     return run
 
 
-def _set(repl, choice: dict | None) -> None:
-    global _current, _choice
-    old, _current, _choice = _current, repl, choice
-    if old is not None and old is not repl and getattr(old, "runs_in_processes", False):
-        # The replaced replicator's warm worker pool would hold memory for nothing; one of the
-        # same shape is the new replicator's too (launch/pool.py), so that one stays.
-        if getattr(repl, "pool_shape", None) != old.pool_shape:
-            old.shutdown()
-    for callback in list(_observers):
-        try:
-            callback(repl, choice)
-        except Exception:  # noqa: BLE001 - a closed panel must not break %replicate
-            pass
+def equivalent_magic(
+    backend: str, replicas: int, workers: int, ps: int, cluster: str = "", *, steps: int
+) -> str:
+    """The magic that does what Run does with this choice (the panel's counts that the backend
+    takes). A process backend builds the model in each of its processes, from the cell that
+    builds it (Run sends the last one): its line heads that `%%replicate` cell. Pasted as a line
+    it would train notebook functions whose model lives here, which cannot travel."""
+    spec = registry.spec(backend)
+    counts = (
+        replicas if spec.takes_replicas else None,
+        workers if spec.takes_workers else None,
+        ps if spec.takes_ps else None,
+    )
+    where = (cluster or None) if spec.takes_workers else None
+    return magic_line(backend, *counts, steps=steps, background=True, cluster=where, cell=spec.in_processes)

@@ -1,7 +1,7 @@
 """The figures' colours follow the JupyterLab theme: dark figures on a dark theme.
 
 The kernel cannot see the page, so the sidebar tells it: a "theme" message over the lab comm
-(workbench/_src/sinks/labcomm.py) on connecting and whenever the user switches themes.
+(workbench/_src/notebook/labcomm.py) on connecting and whenever the user switches themes.
 WORKBENCH_THEME=dark|light overrides it (a script, nbconvert, a test). Every figure (the run
 dashboard, the run store's PNG, compare_runs, the scaling plot) is drawn inside `context()`.
 """

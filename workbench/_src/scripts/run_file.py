@@ -14,16 +14,15 @@ import re
 import sys
 from pathlib import Path
 
-from workbench._src.backends import registry
-from workbench._src.core import tf_setup
+from workbench._src.core import registry, tf_setup
 from workbench._src.core.cluster_resolver import checked_tf_config_env, cluster_resolver
+from workbench._src.core.current import set_current
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
 from workbench._src.core.run_loop import PreemptOnSigterm
 from workbench._src.core.tracebacks import cause_line, shown_text
-from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.shipping import CellSetup
-from workbench._src.notebook import session
+from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.scripts import serve_task
 from workbench._src.sinks.progress import ProgressPrinter, say
 from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
@@ -64,9 +63,9 @@ def run_file(args) -> int:
         ):
             return serve_task.serve(args.cluster, args.startup_timeout)  # ps/worker: only the chief runs FILE
         if backend.in_processes and not args.cluster:
-            from workbench._src.launch import fork_server
+            from workbench._src.placements.local import fork_client
 
-            fork_server.prestart()  # its TensorFlow import starts now, while this process goes on
+            fork_client.prestart()  # its TensorFlow import starts now, while this process goes on
         # What the next seconds (up to a minute on Ray) do, said before they start.
         ships = backend.in_processes and (not args.cluster or _on_ray(args))
         if not ships:
@@ -101,7 +100,7 @@ def run_file(args) -> int:
         folder = str(path.resolve().parent)
         sys.path.insert(0, folder)  # the file's own helper modules
 
-        session._set(repl, None)
+        set_current(repl, None)
         set_source(path.resolve())  # the run store names the script as the runs' source
         with preemption:
             if ships_the_file:

@@ -19,7 +19,7 @@ from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import keras_extras_skipped, tf
 
 # The chief's port closes for a moment between its join's placeholder listener and its own
-# TensorFlow server (launch/join_watchdog.py): only a longer refusal means it is gone.
+# TensorFlow server (backends/join_watchdog.py): only a longer refusal means it is gone.
 CHIEF_GONE_SECONDS = 5.0
 # A chief that does not answer at all (its host cut off or down) may come back: the network
 # heals and the run goes on with this task (it rejoins). Only this long a silence ends the task.

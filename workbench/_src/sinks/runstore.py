@@ -23,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
+from workbench._src.core.default_sinks import register_default, unregister_default
 from workbench._src.core.run import Event
 from workbench._src.core.tf_setup import tf
 from workbench._src.plots import run_plot
-from workbench._src.sinks import register_default, unregister_default
 
 ENV_VAR = "WORKBENCH_RUNS_DIR"
 DEFAULT_DIR = "runs"
@@ -283,45 +283,26 @@ def _write_tensorboard(path: Path, columns: dict) -> None:
         return
     import math
 
-    from tensorflow.core.framework import summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
-    from tensorflow.core.util import event_pb2
-
+    t = tf()
+    v1 = t.compat.v1  # Event, Summary, SummaryMetadata: TensorFlow's public names for its protos
     names = run_plot.metric_names(columns) + ["examples_per_sec"]
     steps = [int(v) for v in columns["step"]]  # counted from the run's start, as every view counts
     walls = columns.get("wall_time") or [0.0] * len(steps)
-    metadata = summary_pb2.SummaryMetadata.FromString(_scalar_metadata())
+    metadata = v1.SummaryMetadata(plugin_data=v1.SummaryMetadata.PluginData(plugin_name="scalars"))
     path.mkdir(parents=True, exist_ok=True)
     now = time.time()
     file = path / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}.v2"
-    with tf().io.TFRecordWriter(str(file)) as out:
-        out.write(event_pb2.Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+    with t.io.TFRecordWriter(str(file)) as out:
+        out.write(v1.Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
         started = now - float(walls[-1] or 0.0)
         for i, step in enumerate(steps):
-            summary = summary_pb2.Summary()
+            summary = v1.Summary()
             for name in names:
                 value = float(columns[name][i]) if name in columns else math.nan
                 if not math.isfinite(value):
                     continue
-                tensor = tensor_pb2.TensorProto(
-                    dtype=types_pb2.DT_FLOAT,
-                    tensor_shape=tensor_shape_pb2.TensorShapeProto(),
-                    float_val=[value],
-                )
+                tensor = t.make_tensor_proto(value, dtype=t.float32)  # a float scalar
                 summary.value.add(tag=name, tensor=tensor, metadata=metadata)
             if summary.value:
-                event = event_pb2.Event(
-                    wall_time=started + float(walls[i] or 0.0), step=step, summary=summary
-                )
+                event = v1.Event(wall_time=started + float(walls[i] or 0.0), step=step, summary=summary)
                 out.write(event.SerializeToString())
-
-
-def _scalar_metadata() -> bytes:
-    """What tensorboard.summary.scalar attaches, so TensorBoard shows these as scalars.
-
-    Built by hand because the tensorboard package is optional (tf.summary.scalar needs it).
-    """
-    from tensorflow.core.framework import summary_pb2
-
-    metadata = summary_pb2.SummaryMetadata()
-    metadata.plugin_data.plugin_name = "scalars"
-    return metadata.SerializeToString()

@@ -25,12 +25,12 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from workbench._src.backends import registry
+from workbench._src.core import registry
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.run_stats import figures, median_rate
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.plots.scaling_plot import draw, png_bytes
-from workbench._src.sinks.scaling_live import live_sink
+from workbench._src.studies.scaling_live import live_sink
 from workbench._src.studies.scaling_setup import Build, ScalingContext, measure
 
 __all__ = ["ScalingContext", "ScalingStudy", "reference_speedup", "scaling_metrics", "scaling_study"]

@@ -54,17 +54,16 @@ Outside a Jupyter kernel (plain IPython, tests' in-process shell) register() doe
 from __future__ import annotations
 
 import base64
-import math
 import threading
 from collections import OrderedDict
 
 from workbench._src.core.run_stats import figures, heal_line, shown_reason
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.launch import pool as warm_pools  # (no TensorFlow: the registry and its processes)
-from workbench._src.notebook import session
+from workbench._src.notebook import lab_store, session
+from workbench._src.notebook.lab_store import jsonable
 from workbench._src.plots import theme
 from workbench._src.sinks import register_default, runstore
-from workbench._src.store import compare, runhistory
 from workbench._src.studies.scaling import study_group
 
 TARGET = "workbench.lab"
@@ -180,7 +179,7 @@ def _on_msg(comm, msg) -> None:
     elif kind == "figure":
         comm.send(_figure(data.get("run_id")))
     elif kind in ("runs", "compare", "delete", "export", "rename", "tag"):
-        comm.send(_store_request(kind, data))
+        comm.send(lab_store.answer(kind, data, forget=_forget_runs))
         if kind in ("delete", "rename", "tag"):
             _push()  # every open sidebar (other notebooks too) hears of it at once
     elif kind == "shutdown_pools":  # the sidebar's Shut down (the panel's button does the same)
@@ -192,6 +191,12 @@ def _on_msg(comm, msg) -> None:
         comm.send(snapshot())
     else:
         comm.send({"type": "error", "text": f"workbench: unknown request {kind!r}; received {data!r}."})
+
+
+def _forget_runs(run_ids: list[str]) -> None:
+    with _lock:  # their cards leave the sidebar with the next snapshot
+        for run_id in run_ids:
+            _watchers.pop(run_id, None)
 
 
 def _stop(run_id: str | None) -> bool:
@@ -227,95 +232,6 @@ def _figure(run_id: str | None) -> dict:
     }
 
 
-def _store_request(kind: str, data: dict) -> dict:
-    """The runs table's requests, answered from the run store (every recorded run, any kernel)."""
-
-    try:
-        if kind == "delete":
-            deleted = runhistory.delete_runs(list(data.get("run_ids") or []))
-            with _lock:  # their cards leave the sidebar with the next snapshot
-                for run_id in deleted:
-                    _watchers.pop(run_id, None)
-            kind = "runs"
-        elif kind == "rename":
-            runhistory.rename_run(str(data.get("run_id")), str(data.get("name") or ""))
-            kind = "runs"
-        elif kind == "tag":
-            tags = [t.strip() for t in data.get("tags") or [] if str(t).strip()]
-            runhistory.tag_run(str(data.get("run_id")), *tags, replace=True)
-            kind = "runs"
-        if kind == "runs":
-            return {"type": "runs", "rows": _runs_rows()}
-        if kind == "compare":
-            ids = list(data.get("run_ids") or [])
-            loaded = compare.load_runs(ids)  # read once: the figure, the table and the series
-            result = compare.compare_runs(loaded)
-            png = base64.b64encode(result.png()).decode("ascii")
-            return {
-                "type": "compare",
-                "run_ids": ids,
-                "png": png,
-                "rows": compare.table_rows(result.table),
-                "series": compare.series(loaded),
-            }
-        return _export(str(data.get("run_id")), str(data.get("what", "csv")))
-    except Exception as e:  # noqa: BLE001 - told to the user as a notification, not a traceback
-        return {"type": "error", "text": f"workbench: {kind} failed: {e}"}
-
-
-def _runs_rows() -> list[dict]:
-
-    table = runhistory.runs()
-    paths = list(table["path"]) if "path" in table.columns else [None] * len(table)
-    keep = [
-        "id", "name", "status", "source", "started", "tags", "backend", "replicas", "workers", "ps",
-        "global_batch", "steps", "steps_asked", "steps_per_execution", "duration_s",
-        "steps_per_sec", "examples_per_sec", "loss",
-    ]  # fmt: skip
-    table = table[[c for c in keep if c in table.columns]].assign(
-        started=table["started"].map(lambda t: None if t != t else t.timestamp()) if len(table) else []
-    )
-    rows = compare.table_rows(table)
-    for row, path in zip(rows, paths):
-        row["group"] = study_group(row.get("name") or "")[0]
-        row["hparams"] = _hparams(path)
-    return rows
-
-
-def _hparams(path) -> dict | None:
-    """A recorded run's `hparams=` as a dict (None without): wb.runs() spreads them into columns
-    among the metrics, so which columns they are is read back from the run's record."""
-    import json
-    from pathlib import Path
-
-    if not path:
-        return None
-    try:
-        record = json.loads((Path(path) / runstore.CONFIG).read_text())
-    except (OSError, ValueError):
-        return None
-    hparams = (record.get("config") or {}).get("hparams")
-    return _jsonable(hparams) if isinstance(hparams, dict) and hparams else None
-
-
-def _export(run_id: str, what: str) -> dict:
-
-    rec = runhistory.load_run(run_id)
-    if what == "figure":
-        if rec.figure_path is None:
-            raise FileNotFoundError(f"run {run_id} has no figure yet (it is written when the run ends)")
-        data, mime, name = rec.figure_path.read_bytes(), "image/png", runstore.FIGURE
-    else:
-        data, mime, name = rec.history.to_csv(index=False).encode(), "text/csv", runstore.HISTORY
-    return {
-        "type": "export",
-        "run_id": rec.id,
-        "filename": f"{rec.id}-{name}",
-        "mime": mime,
-        "data": base64.b64encode(data).decode("ascii"),
-    }
-
-
 # ----- the session and the runs ------------------------------------------------------------
 def _on_session_change(repl, choice) -> None:
     _describe_session()
@@ -332,7 +248,7 @@ def _describe_session() -> None:
         return
     info = dict(repl.describe())
     info.update({k: v for k, v in (session.current_choice() or {}).items() if v is not None})
-    _replicator = _jsonable(info)
+    _replicator = jsonable(info)
 
 
 def _on_pools_change() -> None:
@@ -345,7 +261,7 @@ def _pools_info() -> list[dict]:
     found = []
     for pool in warm_pools.live_pools():
         try:
-            found.append(_jsonable(pool.describe()))
+            found.append(jsonable(pool.describe()))
         except Exception:  # noqa: BLE001 - a pool ending meanwhile must not break the snapshot
             continue
     return found
@@ -353,7 +269,7 @@ def _pools_info() -> list[dict]:
 
 def _device_info() -> dict:
 
-    return _jsonable(device_summary())
+    return jsonable(device_summary())
 
 
 def _watch(run) -> _RunWatcher:
@@ -460,24 +376,3 @@ class _RunWatcher:
             "started": self.started,
             "ended": self.ended,
         }
-
-
-def _finite(value) -> float | None:
-    """JSON has no NaN/Inf (the browser's JSON.parse rejects them): None instead."""
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return _finite(value)
-    return repr(value)

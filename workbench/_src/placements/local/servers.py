@@ -1,7 +1,7 @@
 """The local TensorFlow servers of an async-ps run: parameter servers and workers.
 
 Started by the async-ps coordinator process (never by the notebook) as its own children, in its
-private network: `python -m workbench._src.launch.server_main`, one per task of the cluster
+private network: `python -m workbench._src.placements.local.server_main`, one per task of the cluster
 spec. The coordinator watches them once per chunk: a dead parameter server ends the run, a dead
 worker is reported once and the run goes on with the others.
 """
@@ -12,9 +12,9 @@ import json
 import time
 
 from workbench._src.core.errors import WorkerError
-from workbench._src.launch.processes import ProcessGroup, free_ports, port_open
+from workbench._src.placements.local.processes import ProcessGroup, free_ports, port_open
 
-SERVER_MODULE = "workbench._src.launch.server_main"
+SERVER_MODULE = "workbench._src.placements.local.server_main"
 
 
 class LocalServers:

@@ -1,7 +1,7 @@
-"""One process of a pool placed on a Ray cluster: a Ray actor (launch/ray_pool.py makes them).
+"""One process of a pool placed on a Ray cluster: a Ray actor (placements/ray/pool.py makes them).
 
-The actor is to a Ray pool what `python -m workbench._src.launch.worker_main` is to a local one:
-it runs the same `worker_main.serve` loop (build this process's replicator, run work items until
+The actor is to a Ray pool what `python -m workbench._src.placements.local.worker_main` is to a local one:
+it runs the same `launch/member.py` `serve` loop (build this process's replicator, run work items until
 "shutdown"), or, for an async-ps parameter server or worker, a TensorFlow server. What differs is
 the link to the launcher: no socket of our own, but Ray's actor calls. The launcher calls
 `deliver` (work, stop, shutdown) and long-polls `poll` for what the member said (hello,
@@ -22,12 +22,17 @@ import tempfile
 import threading
 import time
 
-from workbench._src.launch.channel import LinkInbox
-from workbench._src.launch.proc import process_start_ticks
-from workbench._src.launch.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
+from workbench._src.placements.local.channel import LinkInbox
+from workbench._src.placements.local.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
+from workbench._src.placements.proc import process_start_ticks
 
+# A member's heartbeat period: well under the launcher's heartbeat_timeout (10 s by default), so
+# a few late beats are not silence; as a local member's.
 HEARTBEAT_SECONDS = 0.5
-STALL_SECONDS = 1.0  # a one-second sleep that ends this much later: the process could not run
+# A one-second sleep of the orphan watch that ends this much late means the process could not
+# run (a call held the GIL, or the machine starved it): the orphan count starts again, since the
+# launcher's polls were held up the same way.
+STALL_SECONDS = 1.0
 
 
 class ActorLink(LinkInbox):
@@ -95,7 +100,7 @@ class Member:
         }
 
     def start(self, env: dict) -> None:
-        """Runs worker_main.serve on a thread with `env` (TF_CONFIG, the backend's options)."""
+        """Runs launch/member.py `serve` on a thread with `env` (TF_CONFIG, the backend's options)."""
         os.environ.update(env)
         os.environ[TASK_ENV] = f"{self.role}:{self.index}"
         entered = time.time()
@@ -109,12 +114,12 @@ class Member:
             with keras_extras_skipped():  # a third of the import, features a worker never uses
                 import tensorflow  # noqa: F401
 
-            from workbench._src.launch import worker_main
+            from workbench._src.launch.member import serve
 
             self.link = ActorLink(f"{self.role}:{self.index}")
             self.link.start_heartbeat()
             try:
-                code = worker_main.serve(self.link, entered)
+                code = serve(self.link, entered)
             finally:
                 self.clean_up()
             self.link.send({"type": "exited", "code": code})
@@ -124,7 +129,7 @@ class Member:
     def serve_tf(self, cluster: dict, threads: int | None) -> None:
         """Starts this member's TensorFlow server (an async-ps parameter server or worker)."""
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        from workbench._src.launch.server_main import start_server
+        from workbench._src.placements.local.server_main import start_server
 
         self.server = start_server(cluster, self.role, self.index, threads)
 

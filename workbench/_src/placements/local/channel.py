@@ -23,8 +23,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
-from workbench._src.launch.proc import pid_alive, socket_folder
-from workbench._src.launch.processes import (
+from workbench._src.placements.local.processes import (
     KEEP_LOGS_ENV,
     LAUNCHER_PID_ENV,
     LOG_DIR_ENV,
@@ -32,10 +31,22 @@ from workbench._src.launch.processes import (
     ProcessGroup,
     remove_own_tmp_dir,
 )
+from workbench._src.placements.proc import pid_alive, socket_folder
 
-CHANNEL_ENV = "WORKBENCH_CHANNEL"  # path of the parent's Unix socket (or host:port, older form)
+CHANNEL_ENV = "WORKBENCH_CHANNEL"  # path of the parent's Unix socket
 CHANNEL_KEY_ENV = "WORKBENCH_CHANNEL_KEY"  # hex key; in the environment, never on the command line
-PID_RECORD_WAIT = 5.0  # s a hello with an unrecorded pid waits for the group's record of it
+# How long a hello from a pid the group has not recorded yet waits for the record before it is
+# refused: a child can say hello before its launcher's thread, held up on a busy machine, records
+# the pid Popen returned. It bounds how long an impostor's connection is held open.
+PID_RECORD_WAIT = 5.0
+# How long a new connection may take to say hello: past it, it is dropped.
+HELLO_WAIT = 10.0
+# A member's heartbeat period (see launch/watch.py): well under the heartbeat_timeout.
+HEARTBEAT_SECONDS = 0.5
+# A member that lost its launcher's channel waits this long for the launcher to be gone before it
+# removes the launcher's folders (a live launcher may still read the logs for its error message).
+# It bounds only the unexpected case of a broken channel with a living launcher.
+ORPHAN_CLEANUP_WAIT = 10.0
 
 
 class Channel:
@@ -45,7 +56,7 @@ class Channel:
         self.group = group
         self.key = secrets.token_bytes(32)
         self.folder = socket_folder("workbench-channel-")  # only this user may reach the socket
-        self.address = os.path.join(self.folder, "channel.sock")  # a path (was: a (host, port))
+        self.address = os.path.join(self.folder, "channel.sock")
         self._listener = Listener(self.address, family="AF_UNIX", authkey=self.key)
         self.messages: queue.Queue = queue.Queue()  # (task, message dict)
         self._connections: dict[str, Connection] = {}
@@ -78,7 +89,7 @@ class Channel:
 
     def _read_loop(self, conn: Connection) -> None:
         try:
-            hello = conn.recv() if conn.poll(10) else None
+            hello = conn.recv() if conn.poll(HELLO_WAIT) else None
         except (EOFError, OSError):
             hello = None
         task = hello.get("task") if isinstance(hello, dict) else None
@@ -193,12 +204,8 @@ class ParentLink(LinkInbox):
         self.task = os.environ.get(TASK_ENV, "worker:0")
         address = os.environ[CHANNEL_ENV]
         key = bytes.fromhex(os.environ.pop(CHANNEL_KEY_ENV))  # not inherited by anything we start
-        if address.startswith("/"):
-            self.conn = Client(address, family="AF_UNIX", authkey=key)
-            _left_behind_by_parent.append(os.path.dirname(address))  # ours to remove if it dies
-        else:  # host:port, from a launcher that listens on TCP
-            host, port = address.rsplit(":", 1)
-            self.conn = Client((host, int(port)), authkey=key)
+        self.conn = Client(address, family="AF_UNIX", authkey=key)
+        _left_behind_by_parent.append(os.path.dirname(address))  # ours to remove if it dies
         self._lock = threading.Lock()
         self.send({"type": "hello", "task": self.task, "pid": os.getpid()})
 
@@ -232,7 +239,7 @@ class ParentLink(LinkInbox):
 
         threading.Thread(target=read, name="workbench parent reader", daemon=True).start()
 
-    def start_heartbeat(self, every: float = 0.5) -> None:
+    def start_heartbeat(self, every: float = HEARTBEAT_SECONDS) -> None:
         def beat():
             while True:
                 time.sleep(every)
@@ -288,7 +295,7 @@ def _clean_up_if_orphaned() -> None:
     before its children are handed to a new parent; a big process on a busy machine takes a while
     to get there. A live parent closes neither while we run, so the wait is only paid in the
     unexpected case of a broken channel."""
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + ORPHAN_CLEANUP_WAIT
     while pid_alive(_parent_pid):  # (a dead parent not yet reaped is a zombie: not alive)
         if time.monotonic() > deadline:
             return

@@ -25,7 +25,6 @@ WORKBENCH_KEEP_LOGS=1 (it holds no logs).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import shutil
@@ -39,12 +38,13 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
-from workbench._src.launch import fork_server, netns
-from workbench._src.launch.proc import process_cpu_seconds
+from workbench._src.launch.runtime import TASK_ENV
+from workbench._src.placements.local import fork_client, netns
+from workbench._src.placements.proc import process_cpu_seconds
 
 LOOPBACK = "127.0.0.1"
-TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which task this child is
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
 LOG_DIR_ENV = "WORKBENCH_LOG_DIR"  # a child's group's log folder: groups it makes nest inside
 TMP_DIR_ENV = "WORKBENCH_PROCESS_TMPDIR"  # a child's own temp folder (also its TMPDIR)
@@ -79,7 +79,7 @@ def port_open(port: int, host: str = LOOPBACK) -> bool:
 class Child:
     role: str  # "worker" | "ps"
     index: int
-    popen: subprocess.Popen | fork_server.ForkedProcess
+    popen: subprocess.Popen | fork_client.ForkedProcess
     log_path: Path
     tmp_dir: Path  # its own TMPDIR, removed when it ends (see the module's docstring)
     started_at: float = field(default_factory=time.time)
@@ -200,7 +200,7 @@ class ProcessGroup:
         with open(log_path, "wb") as log:
             # The workbench's own modules are forked from a process that has imported TensorFlow
             # already (fork_server.py): milliseconds instead of seconds; None: not here.
-            popen = fork_server.start_process(
+            popen = fork_client.start_process(
                 module, args, child_env, log.fileno(), self.network.namespace_fds()
             )
             if popen is None:
@@ -296,8 +296,8 @@ def _signal(child: Child, sig: int) -> None:
         os.kill(child.pid, sig)
 
 
-@atexit.register
 def _stop_all_groups() -> None:
+    """Interpreter exit (core/exit.py, after the pools): the groups that are not a pool's."""
     for group in list(_live_groups):
         with contextlib.suppress(Exception):
             if group.stop_at_exit:
@@ -306,3 +306,6 @@ def _stop_all_groups() -> None:
                 # Its children outlive us by design and write on into their open (now unlinked)
                 # log files; the folder itself must not outlive us.
                 shutil.rmtree(group.log_dir, ignore_errors=True)
+
+
+process_exit.on_exit("process groups", _stop_all_groups)

@@ -1,17 +1,10 @@
-"""A process of a local multi-process run: `python -m workbench._src.launch.worker_main`.
+"""A pool member's life once its link to the launcher is up, wherever it runs: build this
+process's replicator, then run work items until "shutdown" or the launcher is gone.
 
-Started by a Launcher (through a pool, launch/pool.py) with the backend's name and options, its
-task, and the channel's address and key in its environment (TF_CONFIG too for a multi-worker
-worker). It connects back, builds this process's replicator (a multi-worker worker joins its
-peers; the async-ps coordinator starts its parameter servers and workers), then serves work
-items one after the other: run one (cloudpickled), send the result, free what it left
-(`release_run_state`), wait for the next. That loop is the warm pool: TensorFlow stays imported,
-the servers up and the cluster formed. A "shutdown" message, the parent's death (EOF) or an
-error ends it with os._exit: TensorFlow's collective runtime can hang a normal interpreter
-shutdown. os._exit skips TensorFlow's clean-up of its AutoGraph files, so the process removes its
-own temp folder (its TMPDIR, processes.py) first.
+The entry points call it: a local member (placements/local/worker_main.py, over its Unix-socket
+link) and a Ray member (placements/ray/member.py, over actor calls).
 
-It reports wall-clock milestones of its start in the "ready" message (launcher.startup_phases):
+It reports wall-clock milestones of its start in the "ready" message (watch.startup_phases):
 the slow parts (importing TensorFlow, starting servers, joining the cluster) overlap across
 processes, and the async-ps coordinator starts its servers *before* importing TensorFlow, so
 their imports run while its own does.
@@ -21,33 +14,13 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import time
-
-
-def main() -> None:
-    entered = time.time()
-    # Imports inside main(), in start-up order: watch the parent and say hello first (the
-    # launcher's heartbeat clock starts), then the backend, then TensorFlow (_configure_tensorflow).
-    from workbench._src.launch.channel import ParentLink, exit_when_parent_dies
-
-    exit_when_parent_dies()
-    link = ParentLink()
-    link.start_reader()
-    link.start_heartbeat()
-    code = serve(link, entered)
-    from workbench._src.launch.processes import remove_own_tmp_dir
-
-    remove_own_tmp_dir()  # AutoGraph's files; the group's stop() removes it if we never get here
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def serve(link, entered: float) -> int:
     """The member's life once its link to the launcher is up: build this process's replicator,
     then run work items until "shutdown" (or the launcher is gone); returns the exit code.
-    `link` is a channel.ParentLink, or a Ray actor's link (launch/ray_pool.py)."""
+    `link` is a channel.ParentLink, or a Ray actor's link (placements/ray/pool.py)."""
     code = 1
     repl = None
     try:
@@ -112,7 +85,3 @@ def _configure_tensorflow() -> None:
     if threads:
         t.config.threading.set_intra_op_parallelism_threads(int(threads))
         t.config.threading.set_inter_op_parallelism_threads(int(threads))
-
-
-if __name__ == "__main__":
-    main()

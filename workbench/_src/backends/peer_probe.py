@@ -3,7 +3,7 @@ a port that merely accepts TCP, and both from a host that does not answer.
 
 A TCP accept proves nothing: a stale process, another program that reused the port, or a frozen
 process (the kernel accepts on its behalf) all accept. Two answers count as a peer:
-- the workbench's join placeholder (launch/join_watchdog.py), which greets every probe with
+- the workbench's join placeholder (backends/join_watchdog.py), which greets every probe with
   GREETING while its task waits for the others;
 - a TensorFlow server: it speaks gRPC, i.e. HTTP/2, and answers a client's connection preface
   with a SETTINGS frame (RFC 9113 section 3.4).

@@ -1,12 +1,11 @@
-"""A warm pool placed on a Ray cluster (`cluster=wb.RayCluster(...)`): the same surface as
-launch/pool.py's Pool (tasks, channel, group, start, send_work, processes, dead_member, drain,
-stop, describe), so the launcher, the run loop, the dashboard, the sidebar and the run store do
-not know where the processes are.
+"""The Ray placement (`cluster=wb.RayCluster(...)`): a pool's members as Ray actors, behind the
+same `Placement` as local processes (launch/placement.py), so the pool's rules, the launcher,
+the run loop, the dashboard, the sidebar and the run store do not know where the processes are.
 
   1. One placement group with a bundle (`resources_per_worker`) per process: "spread" is Ray's
      STRICT_SPREAD (one process per node), "pack" is PACK. One that cannot be met within
      `startup_timeout` is removed and reported with what the cluster has.
-  2. One actor per process (launch/ray_member.py) in its bundle. Each says its node's address,
+  2. One actor per process (placements/ray/member.py) in its bundle. Each says its node's address,
      its pid and a port free on its node; the backend's plan forms TF_CONFIG from those
      (`plan.ray_layout()`, `plan.tasks_on(addresses)`).
   3. The members that run work (multi-worker's workers, async-ps's coordinator) run
@@ -23,7 +22,6 @@ not know where the processes are.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
 import os
@@ -33,14 +31,22 @@ import threading
 import time
 
 from workbench._src.core.errors import ConfigurationError, WorkerError
-from workbench._src.launch.pool_common import PoolCommon
-from workbench._src.launch.proc import process_cpu_seconds, process_start_ticks
-from workbench._src.launch.processes import TMP_PREFIX
-from workbench._src.launch.ray_cluster import PLACEMENTS
+from workbench._src.placements.local.processes import TMP_PREFIX
+from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_start_ticks
+from workbench._src.placements.ray.cluster import PLACEMENTS
 
-MEMBER_MODULE = "workbench._src.launch.ray_member"  # named, as worker_main is: it runs over there
+MEMBER_MODULE = "workbench._src.placements.ray.member"  # named, as worker_main is: it runs over there
+# How long one long poll waits for a member's messages: it bounds how late the launcher sees a
+# message when none follow, and how often each member is called (the member's orphan watch needs
+# one well within ORPHAN_SECONDS).
 POLL_SECONDS = 1.0
-ORPHAN_SECONDS = 30.0  # a member unpolled this long (or 3 heartbeat timeouts) leaves on its own
+# A member unpolled this long (or 3 heartbeat timeouts, if longer) has lost its launcher (a node
+# cut off, a launcher gone before Ray noticed) and leaves on its own, as a local member leaves on
+# EOF. Only time the member could run counts (member.py). It bounds how long a cut-off actor
+# lingers; it must stay well above POLL_SECONDS plus a loaded machine's scheduling delay.
+ORPHAN_SECONDS = 30.0
+# How long a message to one member is waited for (sends are waited for so one member's messages
+# keep their order): a dead or frozen member does not hold the launcher longer than this.
 SEND_TIMEOUT = 5.0
 
 
@@ -55,16 +61,13 @@ class RayMember:
         # Its CPU time is readable here when it runs on this process's node and this /proc shows
         # it (the same pid started at the same moment: not a namespace's or a reused pid).
         started = where.get("started")
+        self._started = started
         self._cpu_readable = on_this_node and started is not None and started == process_start_ticks(self.pid)
         self.may_die = may_die  # an async-ps worker server: the run goes on without it
         self.expected_exit = False
         self.dead = False
         self.death = ""
         self.exited = False  # it left its serve loop (shutdown)
-
-    @property
-    def label(self) -> str:
-        return f"{self.role} {self.index} ({self.where})"
 
     @property
     def where(self) -> str:
@@ -82,6 +85,12 @@ class RayMember:
     def log_tail(self, lines: int = 15) -> str:
         return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
 
+    def process_gone(self) -> bool:
+        """Its process has ended, as this node's /proc shows (False where it cannot be read)."""
+        if not self._cpu_readable:
+            return False
+        return not pid_alive(self.pid) or process_start_ticks(self.pid) != self._started
+
     def cpu_seconds(self) -> float | None:
         """Its CPU time, where it can be read (the launcher tells a busy member from a frozen
         one by it, as for a local child); None on another node: only its heartbeats tell."""
@@ -89,19 +98,13 @@ class RayMember:
 
 
 class RayMembers:
-    """The pool's actors, with the process group's questions (launcher._Watch asks them)."""
+    """The pool's actors, with the process group's questions (launch/watch.py asks them)."""
 
     def __init__(self, members: list[RayMember]):
         self.children = members
 
     def unexpected_exits(self) -> list[RayMember]:
         return [m for m in self.children if m.dead and not m.expected_exit and not m.may_die]
-
-    def alive(self) -> list[RayMember]:
-        return [m for m in self.children if not m.dead and not m.exited]
-
-    def pids(self) -> list[int]:
-        return [m.pid for m in self.children]
 
 
 class RayChannel:
@@ -174,17 +177,18 @@ class RayChannel:
         self._closed = True
 
 
-class RayPool(PoolCommon):
-    """The processes of one launch plan as Ray actors on `plan.ray`, reused while healthy."""
+class RayPlacement:
+    """The members of one launch plan as Ray actors on `plan.ray` (a `Placement`)."""
 
-    def __init__(self, backend: str, plan, keep: bool = True):
-        super().__init__(backend, plan, keep)
+    exit_grace = 0.5  # at exit: the members may be on other nodes, and exit must not linger
+
+    def __init__(self, backend: str, plan):
+        self.backend = backend
         self.cluster = plan.ray
         self.ray = ray = self.cluster.connect()
         self.own_node_id = None  # the node this process runs on, if it is one (not Ray Client)
         with contextlib.suppress(Exception):
             self.own_node_id = ray.get_runtime_context().get_node_id()
-        _stop_at_exit(self)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -291,26 +295,27 @@ class RayPool(PoolCommon):
         for task in self.tasks:
             members[(task.role, task.index)].actor.start.remote(task.env)
 
-    @property
-    def processes(self) -> list[dict]:
+    def processes(self, extra: list[dict]) -> list[dict]:
         """Role, index, node address and pid of every process of the pool."""
-        return [{"role": m.role, "index": m.index, "node": m.node, "pid": m.pid} for m in self.group.children]
+        own = [{"role": m.role, "index": m.index, "node": m.node, "pid": m.pid} for m in self.group.children]
+        return own + list(extra)
 
-    def dead_member(self) -> str:
+    def dead_member(self, extra: list[dict]) -> str:
         for member in self.group.children:
+            if not member.dead and member.process_gone():
+                # (on this node a death is read from /proc at once, as for a local child; Ray's
+                # report of it reaches the member's poll a moment later)
+                member.dead, member.death = True, "its process is gone"
             if member.dead:
                 return f"{member.role} {member.index} ({member.where}) {member.exit_description()}"
         return ""
 
     # ----- ending ------------------------------------------------------------------------------
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float) -> None:
         """Asks every member to leave, removes their temp folders, kills every actor and removes
         the placement group: nothing of the pool is left on any node. `grace`: seconds for the
         members to leave and clean up (shorter at interpreter exit, which must not linger)."""
-        if self._timer is not None:
-            self._timer.cancel()
         ray = self.ray
-        _live.discard(self)
         if not ray.is_initialized():  # Ray was shut down first: it ended the actors it owned,
             self._remove_folders_on_this_node()  # before they could clean up
             return
@@ -353,42 +358,9 @@ class RayPool(PoolCommon):
                 calls.append(helper.actor.remove_left_behind.remote([dead.tmp_dir]))
         return calls
 
-    def describe(self) -> dict:
-        idle = time.time() - self.idle_since if self.state == "idle" and self.idle_since else 0.0
-        workers = [m for m in self.group.children if m.role == "worker"]
-        return {
-            "backend": self.backend,
-            "workers": len(workers),
-            "processes": len(self.group.children),
-            "state": self.state,
-            "runs": self.runs,
-            "idle_seconds": idle,
-            "idle_since": self.idle_since if self.state == "idle" else None,
-            "idle_timeout": self.idle_timeout,
-            "placement": f"Ray ({self.cluster.placement}): "
-            + ", ".join(sorted({m.node for m in self.group.children})),
-        }
-
-
-_live: set = set()  # pools not stopped yet
-_exit_hook_registered = False
-
-
-def _stop_at_exit(pool: RayPool) -> None:
-    """Stops the pool at interpreter exit, *before* Ray's own exit hook shuts Ray down (atexit runs
-    hooks last-registered first, and this one is registered after Ray was imported): talking to
-    a Ray that has shut down can crash the interpreter."""
-    global _exit_hook_registered
-    _live.add(pool)
-    if not _exit_hook_registered:
-        atexit.register(_stop_all)
-        _exit_hook_registered = True
-
-
-def _stop_all() -> None:
-    for pool in list(_live):
-        with contextlib.suppress(Exception):
-            pool.stop(grace=0.5)
+    def where(self) -> str | None:
+        nodes = ", ".join(sorted({m.node for m in self.group.children}))
+        return f"Ray ({self.cluster.placement}): {nodes}"
 
 
 def _death_reason(error: BaseException) -> str:

@@ -4,13 +4,12 @@
     repl = wb.MultiWorkerReplicator(num_workers=4, cluster=ray_cluster)
 
 A RayCluster only describes: it connects (ray.init) when a pool is first placed on it, and the
-pool (launch/ray_pool.py) makes the placement group and the actors. Ray is an optional extra
+pool (placements/ray/pool.py) makes the placement group and the actors. Ray is an optional extra
 (`pip install -e ".[ray]"`), imported here only when a cluster is used.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -24,8 +23,9 @@ import time
 from workbench._src.core.errors import ConfigurationError
 
 PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
-# A local Ray instance (address=None) stands for this machine: it holds as many processes as the
-# local launcher would start (Ray's CPUs are scheduling units, not cores).
+# The logical CPUs of a local Ray instance (address=None), at least: it stands for this machine,
+# so it must hold as many members as a local pool would start (Ray's CPUs are scheduling units,
+# not cores). Raise it with the largest pool a notebook makes.
 LOCAL_CPUS = 8
 _NOT_BY_US = object()
 _connected_to = _NOT_BY_US  # the address this process's ray.init was given by a RayCluster
@@ -86,6 +86,7 @@ class RayCluster:
         self.resources_per_worker = resources
         self.placement = placement
         self.runtime_env = runtime_env
+        self.local_root: str | None = None  # a local instance's own temp root, once it is started
 
     @classmethod
     def from_option(cls, text: str) -> RayCluster:
@@ -127,8 +128,11 @@ class RayCluster:
     def connect(self):
         """ray, initialized for this cluster (once per process); a clear error when it cannot be."""
         global _connected_to
+        from workbench._src.core import exit as process_exit
+
         ray = import_ray()
         if ray.is_initialized():
+            process_exit.run_first()  # (the pools stop before Ray's exit hooks end the actors)
             if _connected_to is not _NOT_BY_US and _connected_to != self.address:
                 raise ConfigurationError(
                     f"This process is connected to the Ray cluster at address={_connected_to!r}; a process "
@@ -144,7 +148,7 @@ class RayCluster:
         sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
         ray_tmpdir = os.environ.get("RAY_TMPDIR")
         if self.address is None:
-            os.environ["RAY_TMPDIR"] = _private_ray_root(ray)
+            os.environ["RAY_TMPDIR"] = self.local_root = _private_ray_root(ray)
         try:
             local = {"num_cpus": max(os.cpu_count() or 1, LOCAL_CPUS)} if self.address is None else {}
             init = dict(
@@ -185,6 +189,7 @@ class RayCluster:
             else:
                 os.environ["RAY_TMPDIR"] = ray_tmpdir
         _connected_to = self.address
+        process_exit.run_first()  # ray.init registered Ray's exit hooks: the pools stop before them
         return ray
 
     def nodes(self) -> list[dict]:
@@ -214,10 +219,10 @@ class RayCluster:
         )
 
 
-# Ray gives a local instance's raylet a fixed 30 s to register with its GCS (ray/_private/node.py,
-# not configurable). On a loaded machine (2 cores, a test suite running three files at a time) it
-# has taken longer; a second try has then started. Every try's processes are this process's
-# children, found by the private root in their command lines.
+# How many times a local instance's start is tried when its raylet misses Ray's fixed 30 s to
+# register with its GCS (ray/_private/node.py, not configurable; a loaded machine misses it). It
+# bounds a failed start at about this many times 30 s; each failed try's processes are ended
+# first (found by the private root in their command lines). Raise it only with Ray's limit fixed.
 LOCAL_START_ATTEMPTS = 2
 
 
@@ -229,7 +234,7 @@ def _end_failed_local_start(root: str) -> None:
     """Kills the processes a failed local start left (GCS, raylet, their helpers): ray.init had not
     recorded them, so ray.shutdown() would not end them. Found by our private Ray root in their
     command lines (its name holds our pid and a random part: no one else's process names it)."""
-    from workbench._src.launch.proc import pid_alive, pids_naming
+    from workbench._src.placements.proc import pid_alive, pids_naming
 
     left = pids_naming(root)
     for pid in left:
@@ -271,7 +276,9 @@ def _private_ray_root(ray) -> str:
             if not os.path.exists(root):
                 return
 
-    atexit.register(remove)
+    from workbench._src.core import exit as process_exit
+
+    process_exit.on_exit("ray", remove)  # (its stage comes after the pools': they talk to Ray)
     return root
 
 
@@ -280,7 +287,7 @@ def remove_roots_of_dead_owners(base: str) -> list[str]:
     kernel killed by a signal ran no exit hook (nbval and JupyterLab kill kernels that do not
     stop at once), and Ray's processes ended with it, but its folder stayed. A root whose owner
     runs, or whose pid now belongs to another process, is left alone. Returns what it removed."""
-    from workbench._src.launch.proc import pid_alive
+    from workbench._src.placements.proc import pid_alive
 
     removed = []
     for entry in os.listdir(base):

@@ -1,4 +1,4 @@
-"""A TensorFlow server of a local async-ps cluster: `python -m workbench._src.launch.server_main`.
+"""A TensorFlow server of a local async-ps cluster: `python -m workbench._src.placements.local.server_main`.
 
 Started by MultiWorkerAsyncReplicator with the cluster spec (all 127.0.0.1 addresses) and its
 task ("worker:1", "ps:0") in the environment. It serves until its parent stops it (SIGTERM) or
@@ -16,8 +16,8 @@ import signal
 def main() -> None:
     # Imports inside main(): a server process must watch its parent (and die with it) before it
     # spends seconds importing; TensorFlow comes after the task is known.
-    from workbench._src.launch.channel import exit_when_parent_dies
-    from workbench._src.launch.processes import TASK_ENV
+    from workbench._src.placements.local.channel import exit_when_parent_dies
+    from workbench._src.placements.local.processes import TASK_ENV
 
     exit_when_parent_dies()
     # server.join() would block in C++, where no Python signal handler runs: the main thread
@@ -32,7 +32,7 @@ def main() -> None:
 
 def start_server(cluster: dict, job: str, index: int, threads) -> object:
     """This process's TensorFlow server for task `job:index` of `cluster` (also a Ray-placed
-    pool's server member, launch/ray_member.py); `threads`: TensorFlow threads, None for its own
+    pool's server member, placements/ray/member.py); `threads`: TensorFlow threads, None for its own
     choice."""
     from workbench._src.core import tf_setup
 
@@ -48,7 +48,9 @@ def start_server(cluster: dict, job: str, index: int, threads) -> object:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    from workbench._src.launch.processes import remove_own_tmp_dir  # (a signal handler: already imported)
+    from workbench._src.placements.local.processes import (
+        remove_own_tmp_dir,
+    )  # (a signal handler: already imported)
 
     remove_own_tmp_dir()
     # Then die of the signal itself, so the parent still reads "killed by SIGTERM".

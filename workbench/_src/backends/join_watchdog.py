@@ -4,7 +4,7 @@ TensorFlow's MultiWorkerMirroredStrategy waits forever for a peer that never sta
 constructor, in C++: no Python thread, signal handler or timeout runs meanwhile, so the caller
 cannot time itself out once it is in there. `wait_for_peers(resolver, timeout)` is therefore
 called *before* the constructor: it polls until every other task's address answers as a peer
-(launch/peer_probe.py: a TCP accept alone may be a stale process or another program on the
+(backends/peer_probe.py: a TCP accept alone may be a stale process or another program on the
 port) and raises WorkerError naming the others when `timeout` passes, saying which accepted
 without answering as a peer. The calling
 process (a notebook kernel, a script) gets an exception, never a signal.
@@ -13,7 +13,7 @@ Each peer runs the same code, and a task's gRPC port only opens inside its own c
 while it waits a task holds its own port with a placeholder listener (greeting probes as a
 peer) and releases it just before returning; TensorFlow's server binds the port next.
 
-`python -m workbench._src.launch.join_watchdog PARENT TIMEOUT ME ADDRESSES` is the backstop for
+`python -m workbench._src.backends.join_watchdog PARENT TIMEOUT ME ADDRESSES` is the backstop for
 the remaining window (a peer that was reachable and then died before the join completed): it
 waits for its stdin to close (the join finished) and otherwise, after the deadline, only writes
 to the shared stderr which peers are missing and that the process must be interrupted. It never
@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from workbench._src.launch.peer_probe import GREETING, NOT_A_PEER, PEER, UNREACHABLE, probe
+from workbench._src.backends.peer_probe import GREETING, NOT_A_PEER, PEER, UNREACHABLE, probe
 
 POLL_SECONDS = 0.25
 

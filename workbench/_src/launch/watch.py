@@ -1,0 +1,416 @@
+"""Following one launch: hand out the work, relay the chief's events into the notebook's Run,
+notice deaths, freezes and stalls, and name the culprit rather than a witness.
+
+Written once against the placement's interface (launch/placement.py): the members (`group`),
+the link to them (`channel`), and each member's pid, exit, log and CPU time.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import time
+
+from workbench._src.core import errors as workbench_errors
+from workbench._src.core.errors import WorkerError
+from workbench._src.core.tracebacks import full_tracebacks
+
+# The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
+# that keeps using CPU is busy: its heartbeat thread cannot run while another thread holds
+# Python's GIL in one long C call, and a loaded machine delays it too. A frozen (SIGSTOP) or hung
+# process uses no CPU at all.
+#
+# BUSY_CPU_SHARE: a silent member that used at least this share of one core since its last sign
+# of life is busy, and its silence counts from now. The floor of what /proc can show (one 10-ms
+# tick a second); raise it only if a frozen process could use CPU (it cannot), lower it never: a
+# busy thread's share falls with the load (two cores shared by ~30 runnable threads give ~7%).
+BUSY_CPU_SHARE = 0.01
+# BUSY_SILENCE_LIMIT: a member silent *and* busy is named all the same once it has used this many
+# heartbeat timeouts of CPU time since its last message (one call holding the GIL for good). In
+# CPU time, not wall time, so that a loaded machine stretches the bound instead of breaking it.
+# It bounds how long one legitimate GIL-holding call may take (building a big graph: seconds);
+# raise it if such calls are named.
+BUSY_SILENCE_LIMIT = 6
+# After a member reports an error, how long the watch collects the others' reports and the
+# process table before it names a culprit: a witness's report arrives first, the culprit's death
+# or silence within a moment. It bounds how long a failure takes to be said; it must exceed the
+# time a dead member's exit takes to show in the process table.
+WITNESS_WINDOW = 0.7
+# The same when a member's exit is seen first: the reports of the members it took down.
+EXIT_WINDOW = 0.5
+# A member silent this long when another reports a collective failure is the culprit (a frozen
+# peer): four heartbeats missed. Shorter would blame a member whose heartbeat is merely queued.
+PEER_SILENCE = 2.0
+# After a member's link closes, how long to wait for its exit status, so the error says how it
+# ended ("killed by SIGKILL"): a status is there within milliseconds unless the machine is starved.
+EXIT_STATUS_WAIT = 0.3
+# TensorFlow's errors for a collective whose peer is gone (host down, link cut), when no process
+# of ours was seen to die: a member lost, not a mistake in the run's code.
+_PEER_LOST_ERRORS = ("UnavailableError", "AbortedError", "DeadlineExceededError")
+
+
+class Watch:
+    """Follows one launch: hands out work, relays events, notices deaths, freezes and stalls."""
+
+    def __init__(self, launcher, pool, run, payload, timeout):
+        self.launcher, self.pool, self.run = launcher, pool, run
+        self.group, self.channel = pool.group, pool.channel
+        self.payload, self.timeout = payload, timeout
+        self.tasks = [t.name for t in pool.tasks]
+        self.chief = self.tasks[0]
+        self.heard: dict[str, float] = {}
+        self.cpu_seen: dict[str, tuple[float, float | None]] = {}  # task -> (last sign of life, CPU s then)
+        self.cpu_at_message: dict[str, float | None] = {}  # task -> its CPU s when its last message came
+        self.ready: set[str] = set()
+        self.results: dict = {}
+        self.stop_sent = False
+        self.started = time.monotonic()
+        self.started_wall = time.time()  # the processes report wall-clock milestones
+        self.phases: dict[str, dict] = {}
+        self.warm = not pool.fresh
+        # A pool started in the background when its backend was chosen: its start's phases
+        # count from then, and the wait is what was left of it when the run asked.
+        self.ahead = (
+            self.started_wall - pool.started_at if pool.started_in_background and not self.warm else 0.0
+        )
+        self.number = pool.runs + 1  # this run's number in the pool: its stop requests carry it
+        if self.warm:  # connected long ago: their heartbeats count from now
+            self.heard = {task: self.started for task in self.tasks}
+
+    def follow(self) -> dict:
+        while len(self.results) < len(self.tasks):
+            try:
+                task, message = self.channel.messages.get(timeout=0.1)
+                while True:  # every message that waits, before silences are judged: this thread
+                    self._handle(task, message)  # may itself have been held up on a busy machine
+                    if len(self.results) == len(self.tasks):
+                        break
+                    task, message = self.channel.messages.get_nowait()
+            except queue.Empty:
+                pass
+            self._check()
+        return self.results
+
+    def _handle(self, task: str, message: dict) -> None:
+        kind = message.get("type")
+        self.heard[task] = time.monotonic()
+        if kind == "hello":
+            # "last": a pool that is not kept (pool=False) runs one work item and exits, the
+            # path from before pools.
+            work = {"type": "work", "payload": self.payload, "run": self.number, "last": not self.pool.keep}
+            self.channel.send(task, work)
+            if self.stop_sent:  # a stop asked for before this process connected
+                self.channel.send(task, self._stop_message())
+        elif kind == "ready":
+            self.ready.add(task)
+            self.phases[task] = message.get("phases") or {}
+            if len(self.ready) == len(self.tasks) and self.run is not None:
+                seconds = time.monotonic() - self.started
+                self.run.startup_seconds = seconds
+                self.run.startup = startup_phases(
+                    self.phases.values(), self.started_wall, self.warm, ahead=self.ahead
+                )
+                backend, phases = self.launcher.backend, _phase_text(self.run.startup)
+                if self.warm:
+                    text = f"{backend} warm pool (run {self.pool.runs}) ready in {seconds:.1f} s"
+                elif self.ahead:
+                    self.run.startup["in background"] = round(self.ahead, 3)
+                    text = (
+                        f"{backend} processes ready in {seconds:.1f} s (started in the background "
+                        f"{self.ahead:.1f} s before this run: {phases})"
+                    )
+                else:
+                    text = f"{backend} processes ready in {seconds:.1f} s ({phases})"
+                self.run.publish("message", text=text)
+        elif kind == "processes":  # what a coordinator started itself (async-ps servers)
+            self.pool.extra.extend(message["children"])  # (a warm pool's runs list them too)
+            self.launcher.last_processes.extend(message["children"])
+        elif kind == "event":
+            self._relay(task, message)
+        elif kind == "result":  # its work is delivered: however it exits now, it is not a fault
+            self.results[task] = message["value"]
+            self._child(task).expected_exit = True
+        elif kind == "error":
+            self._fail_after_error(task, message)
+        elif kind == "disconnected" and task not in self.results:
+            time.sleep(EXIT_STATUS_WAIT)
+            self._check()
+
+    def _relay(self, task: str, message: dict) -> None:
+        run, event_kind, data = self.run, message["kind"], message["data"]
+        if run is None:
+            return
+        if task != self.chief:  # every worker computes the same reduced metrics: the chief's suffice
+            if event_kind == "message":
+                run.publish("message", text=f"{_label(task)}: {data.get('text')}")
+            return
+        if event_kind == "metrics":
+            healing = self.launcher.healing
+            rows = data["rows"]
+            if healing is not None:
+                if healing.step_offset:  # a healed attempt counts on from the step it resumed at
+                    rows = [{**row, "step": row["step"] + healing.step_offset} for row in rows]
+                healing.rows_arrived()
+            run.record_rows(rows)
+        elif event_kind == "started":
+            if run.restarts:  # a healed attempt: the run started long ago, and its goal stays
+                return
+            steps = data.get("steps", run.config.get("steps"))
+            run.config["steps"] = steps  # (a resumed run that finishes its goal runs fewer)
+            run.publish(
+                "started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps
+            )
+        elif event_kind in ("checkpoint", "message"):
+            run.publish(event_kind, **data)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        dead = self.group.unexpected_exits()
+        if dead:
+            # A witness that reported the collective failure and exited is not the culprit:
+            # collect pending reports first, then prefer a process killed by a signal.
+            errors = self._drain_errors(EXIT_WINDOW)
+            dead = self.group.unexpected_exits()
+            if not dead:
+                if errors:
+                    self._report_errors(errors)
+                return
+            child = next((c for c in dead if c.killed), dead[0])
+            self._raise(
+                f"{_label(f'{child.role}:{child.index}')} ({child.where}) {child.exit_description()}"
+                f"{self._at_step()}; every process of the run was stopped.",
+                f"{child.role}:{child.index}",
+                cause=child.exit_description(),
+            )
+        timeout = self.launcher.heartbeat_timeout
+        for task in self.tasks:
+            last = self.heard.get(task)
+            if last is None or task in self.results:
+                continue
+            silent = now - last
+            if self._idle_for(task, now) > timeout:
+                measured = self.cpu_seen.get(task, (0, None))[1] is not None
+                idle = " and almost no CPU time used" if measured else ""
+                self._raise(
+                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
+                    f"{silent:.0f} s{idle} (frozen, stopped or starved){self._at_step()}; every process "
+                    "of the run was stopped.",
+                    task,
+                    cause=f"no heartbeat for {silent:.0f} s",
+                )
+            busy_for = self._cpu_used_while_silent(task) if silent > BUSY_SILENCE_LIMIT * timeout else None
+            if busy_for is not None and busy_for > BUSY_SILENCE_LIMIT * timeout:
+                self._raise(
+                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
+                    f"{silent:.0f} s while it kept a CPU busy ({busy_for:.0f} CPU-seconds: one call holding "
+                    f"Python's GIL that long, or a loop that never returns){self._at_step()}; every process "
+                    "of the run was stopped.",
+                    task,
+                    cause=f"busy and silent for {silent:.0f} s",
+                )
+        if len(self.ready) < len(self.tasks) and now - self.started > self.launcher.startup_timeout:
+            missing = [t for t in self.tasks if t not in self.ready]
+            names = ", ".join(_label(t) for t in missing)
+            self._raise(
+                f"{names} did not start within startup_timeout={self.launcher.startup_timeout:.0f} s "
+                f"({len(self.ready)} of {len(self.tasks)} ready). Fix: a busy machine needs a longer "
+                "startup_timeout; otherwise see the log below.",
+                missing[0],
+            )
+        if self.timeout is not None and now - self.started > self.timeout:
+            self._raise(f"the workers did not finish within timeout={self.timeout} s.", None)
+        if self.run is not None and self.run.stop_requested and not self.stop_sent:
+            self.channel.broadcast(self._stop_message())
+            self.stop_sent = True
+
+    def _stop_message(self) -> dict:
+        """This run's stop; a preemption of this process (SIGTERM to `workbench run`) asks every
+        member to save at the next step boundary and end preempted."""
+        return {"type": "stop", "run": self.number, "preempt": self.run._preempted if self.run else None}
+
+    def _idle_for(self, task: str, now: float) -> float:
+        """Seconds since `task` last showed it is alive: a message from it, or CPU time it used
+        while its heartbeats were late (BUSY_CPU_SHARE of a core since the last sign, asked
+        when the silence reaches the timeout). A process whose CPU time cannot be read (a Ray
+        member on another node) has its messages only."""
+        heard = self.heard[task]
+        mark = self.cpu_seen.get(task)
+        if mark is None or mark[0] < heard:  # a message since the last look: its CPU time now
+            self.cpu_seen[task] = (now, self._child(task).cpu_seconds())
+            self.cpu_at_message[task] = self.cpu_seen[task][1]
+            return now - heard
+        since, cpu_then = mark
+        if cpu_then is None or now - since <= self.launcher.heartbeat_timeout:
+            return now - since
+        cpu = self._child(task).cpu_seconds()
+        if cpu is not None and cpu - cpu_then >= BUSY_CPU_SHARE * (now - since):
+            self.cpu_seen[task] = (now, cpu)  # busy: the silence counts from now
+            return 0.0
+        return now - since
+
+    def _cpu_used_while_silent(self, task: str) -> float | None:
+        """CPU seconds `task` used since its last message (None where it cannot be read)."""
+        then = self.cpu_at_message.get(task)
+        now = self._child(task).cpu_seconds() if then is not None else None
+        return None if now is None else now - then
+
+    def _fail_after_error(self, task: str, message: dict) -> None:
+        # A worker whose peer died or froze reports the collective failure first; give the
+        # process table, heartbeats and the other workers' reports a moment, then name the
+        # culprit rather than the witness.
+        self._child(task).expected_exit = True  # it exits after reporting
+        errors = {task: message, **self._drain_errors(WITNESS_WINDOW)}
+        self._check()  # a worker that died without reporting is the culprit
+        unhealthy = _unhealthy_task(message.get("summary", ""))
+        if unhealthy in self.tasks and unhealthy != task and unhealthy not in errors:
+            # TensorFlow's coordination service saw the peer's heartbeats stop before ours did
+            # (a busy machine can delay our heartbeats' handling): it names the frozen one.
+            self._raise(
+                f"{_label(unhealthy)} ({self._child(unhealthy).where}) stopped responding (TensorFlow's "
+                f"coordination service stopped hearing from it){self._at_step()}; {_label(task)} then "
+                "failed, its collective aborted; every process of the run was stopped.",
+                unhealthy,
+                cause="stopped responding",
+            )
+        now = time.monotonic()
+        for other in self.tasks:
+            silent = now - self.heard.get(other, now)
+            if other not in errors and other not in self.results and silent > PEER_SILENCE:
+                self._raise(
+                    f"{_label(other)} ({self._child(other).where}) stopped responding (no heartbeat "
+                    f"for {silent:.0f} s){self._at_step()}; {_label(task)} then failed: "
+                    f"{message['summary']}",
+                    other,
+                    cause=f"no heartbeat for {silent:.0f} s",
+                )
+        self._report_errors(errors)
+
+    def _drain_errors(self, seconds: float) -> dict:
+        """Reads the channel for `seconds`; returns the error reports (task -> message)."""
+        errors = {}
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                task, message = self.channel.messages.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            kind = message.get("type")
+            if kind == "error":
+                self.heard[task] = time.monotonic()
+                errors[task] = message
+                self._child(task).expected_exit = True
+            elif kind != "disconnected":  # (handling that would check again, from within a check)
+                # Everything else as usual: the history up to the failure, and the "result" of a
+                # worker that finished cleanly just before the process table showed its exit
+                # (dropping what came with it once named a finished worker as the culprit).
+                self._handle(task, message)
+        return errors
+
+    def _report_errors(self, errors: dict) -> None:
+        first = min(errors, key=task_order)  # the same mistake on every worker: report the chief's
+        error = errors[first]
+        kind = getattr(workbench_errors, error.get("error_class") or "", None)
+        if kind is not None and kind is not WorkerError:
+            # The user's mistake (a bad cell, a wrong batch): the same error class and message
+            # as on an in-process backend, not a wrapper around it; the process named after it.
+            raise kind(f"{error['message']}\n(raised in {_label(first)})")
+        if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
+            raise WorkerError(
+                error["message"],
+                task=error.get("task") or _label(first),
+                cause="its server stopped answering",
+            )
+        summary = error["summary"]
+        if summary.startswith(_PEER_LOST_ERRORS):
+            # A collective that failed with no member seen to die: its peer's host or link is gone.
+            self._raise(
+                f"{_label(first)} failed{self._at_step()}: {summary}\n--- its traceback ---\n"
+                f"{_trim_traceback(error.get('traceback', ''))}",
+                None,
+                cause=summary.split(":")[0],
+            )
+        # Any other error of the user's code: the process and the cause's own sentence first,
+        # then the frames of their code in that process (every frame under WORKBENCH_TRACEBACKS=full).
+        full = full_tracebacks() or not error.get("shown")
+        shown = _trim_traceback(error.get("traceback", "")) if full else error["shown"].strip()
+        raise WorkerError(
+            f"{_label(first)}: {error.get('cause') or summary}\n--- {_label(first)}'s traceback ---\n"
+            f"{shown}\n(The {self.launcher.backend} run failed{self._at_step()}"
+            f"{'' if full else '; WORKBENCH_TRACEBACKS=full shows every frame'}.)",
+            task=_label(first),
+        )
+
+    def _at_step(self) -> str:
+        return f" at step {self.run.steps}" if self.run is not None and self.run.steps else ""
+
+    def _child(self, task: str):
+        role, index = task.split(":")
+        return next(c for c in self.group.children if c.role == role and c.index == int(index))
+
+    def _raise(self, text: str, task: str | None, cause: str | None = None) -> None:
+        """Fails the launch; `cause`: how a member was lost (None: no member was lost)."""
+        log = ""
+        if task is not None:
+            tail = self._child(task).log_tail()
+            if tail:
+                log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
+        backend = self.launcher.backend
+        raise WorkerError(
+            f"{backend} run failed: {text}{log}", task=_label(task) if task else None, cause=cause
+        )
+
+
+PHASES = ("spawn", "imports", "servers", "cluster join", "shipping")
+
+
+def startup_phases(reports, started_wall: float, warm: bool, ahead: float = 0.0) -> dict:
+    """run.startup: seconds per phase of the start, each the slowest process's. A process reports
+    wall-clock milestones (worker_main): entered (its interpreter runs our code), imported
+    (TensorFlow), servers (its own servers listen: async-ps), joined (the strategy is built),
+    unpickled (the work is ready to run). Consecutive milestones, so the phases add up to the
+    wait. A warm pool's start is one phase, the hand-off. A pool started in the background
+    `ahead` seconds before the run: its phases count from its start, and its processes' wait
+    for the run's work is not shipping."""
+    if warm:
+        return {
+            "handoff": round(
+                max((r.get("unpickled", started_wall) for r in reports), default=started_wall) - started_wall,
+                3,
+            )
+        }
+    marks = ("entered", "imported", "servers", "joined", "unpickled")
+    out = dict.fromkeys(PHASES, 0.0)
+    for report in reports:
+        previous = started_wall - ahead
+        for phase, mark in zip(PHASES, marks):
+            at = report.get(mark, previous)
+            if phase == "shipping":
+                previous = max(previous, started_wall)  # (the work exists from the run's start)
+            out[phase] = max(out[phase], at - previous)
+            previous = at
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def _phase_text(startup: dict) -> str:
+    return ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
+
+
+def task_order(task: str):
+    """Workers first, in index order (the chief is worker 0)."""
+    role, index = task.split(":")
+    return (role != "worker", role, int(index))
+
+
+def _unhealthy_task(text: str) -> str | None:
+    """The task TensorFlow's coordination service reports as no longer sending heartbeats
+    ("... unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1"), as "worker:1"."""
+    found = re.search(r"stopped sending heartbeats\):\s*/job:(\w+)/replica:\d+/task:(\d+)", text)
+    return f"{found.group(1)}:{found.group(2)}" if found else None
+
+
+def _label(task: str) -> str:
+    return task.replace(":", " ")
+
+
+def _trim_traceback(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])

@@ -1,0 +1,1 @@
+"""The local placement: processes on this machine, in a private loopback-only network."""
