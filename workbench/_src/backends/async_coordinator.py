@@ -26,6 +26,8 @@ FETCH_FLOOR = 0.25  # seconds any chunk is waited for past a grace: a finished o
 class AsyncProgram(Program):
     """A (step_fn, input_fn) pair traced on the coordinator and scheduled on the workers."""
 
+    can_time = False  # its chunks run on the workers; run.breakdown() is measured apart (async_ps)
+
     def __init__(self, replicator, step_fn, input_fn):  # noqa: D107 - Program's, minus its input
         if not callable(step_fn):
             Program(replicator, step_fn, input_fn)  # raises its clear error

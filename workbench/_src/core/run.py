@@ -108,11 +108,13 @@ ENDED_STATUSES = ("finished", "stopped", "non-finite", "failed")
 @dataclasses.dataclass(frozen=True)
 class Event:
     """Something that happened in a run. kind: started | metrics | checkpoint | message |
-    renamed | ended.
+    breakdown | renamed | ended.
 
     `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
     for metrics: {"rows": [ {step (from the run's start), wall_time, examples_per_sec,
     global_step (the program's), examples (this step's global batch), <metrics>}, ... ]};
+    for breakdown: {"rows": [ {worker, input, compute, communication, other, step, steps}, ...
+    ], "text": the diagnosis sentence} (seconds per step; core/breakdown.py);
     for renamed: {"name", "tags"}.
     """
 
@@ -165,6 +167,7 @@ class Run:
         self.processes: list[dict] = []
         self._columns: dict[str, list] = {}
         self._rows = 0
+        self._breakdown: dict[int, dict] = {}  # worker -> its latest breakdown row (breakdown.py)
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
         self._interrupted = False  # the stop came from Ctrl-C / a kernel interrupt
@@ -180,6 +183,46 @@ class Run:
 
         with self._lock:
             return pd.DataFrame({k: list(v) for k, v in self._columns.items()})
+
+    def breakdown(self):
+        """Where a step's time goes: a DataFrame with one row per worker (one in process).
+
+        Columns, in seconds per step: `input` (waiting for input_fn's pipeline), `compute`
+        (step_fn's own work), `communication` (collectives and parameter-server traffic, waiting
+        for peers included), `other` (host and Python overhead), and `step` (the measured time
+        per step, which the four parts add up to); `steps`: how many steps the figures are from
+        (the last chunks of the run). `.attrs["diagnosis"]` is run.diagnosis(). Empty when the
+        run was trained with breakdown=False or has not finished a timed chunk yet.
+        """
+        from workbench._src.core import breakdown
+
+        with self._lock:
+            rows = [dict(r) for _, r in sorted(self._breakdown.items())]
+        table = breakdown.frame(rows)
+        table.attrs["diagnosis"] = self.diagnosis()
+        return table
+
+    def diagnosis(self) -> str:
+        """One sentence from breakdown(): what dominates a step and the likely fix, e.g.
+        "input-bound: 62% of each step waits for input_fn; add .prefetch(tf.data.AUTOTUNE) ..."."""
+        from workbench._src.backends.registry import spec
+        from workbench._src.core import breakdown
+
+        with self._lock:
+            rows = [dict(r) for _, r in sorted(self._breakdown.items())]
+        try:
+            asynchronous = not spec(self.config.get("backend")).synchronous
+        except Exception:  # noqa: BLE001 - a backend this process does not know: say all-reduce
+            asynchronous = False
+        return breakdown.diagnosis(rows, asynchronous=asynchronous)
+
+    def record_breakdown(self, row: dict) -> None:
+        """Keeps a worker's latest breakdown row and publishes a "breakdown" event with every
+        worker's row and the diagnosis (the executor, or the launcher relaying workers, call it)."""
+        with self._lock:
+            self._breakdown[int(row.get("worker", 0))] = dict(row)
+            rows = [dict(r) for _, r in sorted(self._breakdown.items())]
+        self.publish("breakdown", rows=rows, text=self.diagnosis())
 
     @property
     def steps(self) -> int:
@@ -212,6 +255,8 @@ class Run:
             if fig[key] is not None:
                 out[key] = fig[key]
         out.update(last_metrics(h))
+        if self._breakdown:
+            out["breakdown"] = self.diagnosis()
         if getattr(self, "startup", None):  # a launched run: seconds per phase of its start
             out["startup"] = dict(self.startup)
         return out

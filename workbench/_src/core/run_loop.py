@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Callable
 from typing import Protocol
 
+from workbench._src.core.breakdown import BreakdownRecorder
 from workbench._src.core.checkpoints import with_checkpoint_hint
 from workbench._src.core.errors import InputError, NonFiniteError
 from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
@@ -46,6 +47,7 @@ def train(replicator, program, executor: Executor, saver, opts: RunOptions) -> R
     the checkpoint Saver or None); the loop itself only asks it to describe itself.
     """
     run = new_run(replicator, program.step_fn, program.input_fn, opts)
+    program.timing = opts.breakdown  # the fused loop reads the clock in each step (step_clock.py)
     loop = ChunkLoop(run, program, executor, opts, saver)
     return drive(run, loop.execute, opts.background, opts.on_nonfinite)
 
@@ -140,12 +142,19 @@ class InProcessExecutor:
         self.program = program
         self.agree = agree
         self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
+        self.breakdown = None  # a BreakdownRecorder while a timed run goes
 
     def start(self, run) -> None:
-        pass
+        if self.program.timing and self.program.can_time:
+            self.breakdown = BreakdownRecorder(run, worker=self.program.replicator.worker_id)
 
     def submit(self, k: int):
-        return self.program.run_fused(k)  # runs now; program.steps_done advances
+        traces = bool(self.program.timing) not in self.program.traced_variants
+        began = time.time()  # the wall clock, as the loop's tf.timestamp readings
+        result = self.program.run_fused(k)  # runs now; program.steps_done advances
+        if self.breakdown is not None:
+            self.breakdown.chunk(began, time.time(), self.program.last_marks, traced=traces)
+        return result
 
     def collect(self, handle):
         return handle
@@ -165,7 +174,8 @@ class InProcessExecutor:
         return True
 
     def close(self) -> None:
-        pass
+        if self.breakdown is not None:
+            self.breakdown.close()
 
 
 class ChunkLoop:

@@ -1,0 +1,177 @@
+"""run.breakdown(): where each step's time goes, per worker, and one sentence on what to do.
+
+Every timed chunk of the fused loop brings back four clock readings per step (step_clock.py).
+Together with the host's own clock around the call they tile the chunk's time:
+
+  other   the run loop between chunks (recording rows, sinks, the chunk agreement), dispatching
+          the compiled call and fetching its results, the loop's own bookkeeping between steps
+  input   begin -> ready: waiting for the next batch of input_fn's pipeline
+  compute ready -> end, less the collectives: step_fn's own work
+  communication  the collectives step_fn issued (gradient all-reduce, repl.all_sum, ...) and the
+          metric reduction, peers' delays included
+
+so the parts add up to the measured time per step (`step`) up to the two clocks' agreement.
+Figures are seconds per step over about the last WINDOW_STEPS timed steps of one worker; each
+worker publishes its row as a "breakdown" event (a launched run relays every worker's).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+
+PARTS = ("input", "compute", "communication", "other")
+COLUMNS = (*PARTS, "step", "steps")
+WINDOW_STEPS = 2000  # the breakdown follows the run's present, not its start
+PUBLISH_EVERY = 1.0  # seconds between a worker's breakdown events (the last one always goes)
+
+
+def chunk_parts(began: float, ended: float, previous_end: float | None, marks) -> dict:
+    """Seconds spent in each part over one chunk (not per step), and its step count.
+
+    began/ended: the host clock (time.time) around the compiled call; previous_end: when the
+    previous call ended (None: the time between calls is not known and left out); marks: the
+    chunk's [steps, 4] readings (begin, ready, end, comm) in seconds.
+    """
+    marks = np.asarray(marks, dtype=np.float64)
+    begin, ready, end, comm = marks[:, 0], marks[:, 1], marks[:, 2], marks[:, 3]
+    body = np.maximum(end - ready, 0.0)
+    communication = np.clip(comm, 0.0, body)
+    between_calls = began - previous_end if previous_end is not None else 0.0
+    outside = (begin[0] - began) + (ended - end[-1])  # dispatch and fetch around the loop
+    between_steps = (end[-1] - begin[0]) - float(np.sum(end - begin))
+    return {
+        "input": float(np.sum(ready - begin)),
+        "compute": float(np.sum(body - communication)),
+        "communication": float(np.sum(communication)),
+        "other": max(0.0, between_calls + outside + between_steps),
+        "step": (ended - began) + between_calls,  # the host's measure of the same time
+        "steps": len(marks),
+    }
+
+
+class BreakdownRecorder:
+    """One worker's breakdown: fed each chunk by the executor, publishes its row on the run."""
+
+    def __init__(self, run, worker: int = 0):
+        self.run = run
+        self.worker = worker
+        self.chunks: collections.deque = collections.deque()
+        self.window_steps = 0
+        self.previous_end: float | None = None
+        self.published_at = 0.0
+        self.unpublished = False
+
+    def chunk(self, began: float, ended: float, marks, traced: bool) -> None:
+        """A chunk ran between began and ended (time.time); `traced`: its call compiled the loop."""
+        previous, self.previous_end = self.previous_end, ended
+        if traced or marks is None or not len(marks):
+            return  # tracing is not a step's time (run.compile_seconds has it)
+        self.chunks.append(chunk_parts(began, ended, previous, marks))
+        self.window_steps += len(marks)
+        while self.window_steps - self.chunks[0]["steps"] >= WINDOW_STEPS:
+            self.window_steps -= self.chunks.popleft()["steps"]
+        self.unpublished = True
+        if time.monotonic() - self.published_at >= PUBLISH_EVERY:
+            self.publish()
+
+    def row(self) -> dict | None:
+        """Seconds per step of each part over the window, `step`, `steps`, `worker`."""
+        steps = sum(c["steps"] for c in self.chunks)
+        if not steps:
+            return None
+        row = {"worker": self.worker}
+        for key in (*PARTS, "step"):
+            row[key] = sum(c[key] for c in self.chunks) / steps
+        row["steps"] = steps
+        return row
+
+    def publish(self) -> None:
+        row = self.row()
+        self.published_at = time.monotonic()
+        self.unpublished = False
+        if row is not None:
+            self.run.record_breakdown(row)
+
+    def close(self) -> None:
+        if self.unpublished:
+            self.publish()
+
+
+def frame(rows: list[dict]):
+    """The DataFrame run.breakdown() returns: one row per worker (index `worker`)."""
+    import pandas as pd
+
+    table = pd.DataFrame([{k: r.get(k) for k in ("worker", *COLUMNS)} for r in rows], columns=["worker", *COLUMNS])
+    table = table.set_index("worker")
+    table.attrs["diagnosis"] = diagnosis(rows)
+    return table
+
+
+def shares(row: dict) -> dict:
+    """Each part's share of the row's parts (they add up to 1)."""
+    total = sum(max(0.0, row.get(k) or 0.0) for k in PARTS)
+    return {k: (max(0.0, row.get(k) or 0.0) / total if total else 0.0) for k in PARTS}
+
+
+FIXES = {
+    "input": (
+        "input-bound: {share:.0%} of each step waits for input_fn; add .prefetch(tf.data.AUTOTUNE), "
+        "num_parallel_calls=tf.data.AUTOTUNE in its map calls, or .cache() what does not change"
+    ),
+    "compute": (
+        "compute-bound: {share:.0%} of each step is step_fn's own work; more replicas, or faster "
+        "devices, are what speed it up"
+    ),
+    "communication": (
+        "communication-bound: {share:.0%} in {what} (waiting for peers included); larger batches "
+        "per worker, or fewer, larger workers"
+    ),
+    "other": (
+        "overhead-bound: {share:.0%} of each step is host and Python overhead outside the step; "
+        "more work per step (a larger batch) or more steps per call (steps_per_execution)"
+    ),
+}
+
+
+def diagnosis(rows: list[dict], asynchronous: bool = False) -> str:
+    """One sentence: the part that dominates (over all workers) and its likely fix, and the
+    slowest worker when it holds the others back."""
+    rows = [r for r in rows if r and r.get("step")]
+    if not rows:
+        return ""
+    total = {k: sum(r.get(k) or 0.0 for r in rows) for k in PARTS}
+    share = shares(total)
+    top = max(PARTS, key=share.get)
+    what = "parameter-server traffic" if asynchronous else "all-reduce"
+    sentence = FIXES[top].format(share=share[top], what=what)
+    if share[top] < 0.5:
+        sentence = "no single cause; largest part: " + sentence.split(": ", 1)[1].split(";")[0] + (
+            f" ({top}); input {share['input']:.0%}, compute {share['compute']:.0%}, "
+            f"communication {share['communication']:.0%}, other {share['other']:.0%}"
+        )
+    slow = slowest_worker(rows)
+    if slow is not None:
+        sentence += f"; {slow}"
+    return sentence
+
+
+def slowest_worker(rows: list[dict], margin: float = 1.2) -> str | None:
+    """'worker 1 holds the others back (...)' when one worker's own time per step (all but
+    communication, where the others wait for it) is `margin` times the others' median."""
+    if len(rows) < 2:
+        return None
+    own = {r["worker"]: r["step"] - (r.get("communication") or 0.0) for r in rows}
+    worst = max(own, key=own.get)
+    others = sorted(v for w, v in own.items() if w != worst)
+    median = others[len(others) // 2]
+    if median <= 0 or own[worst] < margin * median:
+        return None
+    row = next(r for r in rows if r["worker"] == worst)
+    part = max(("input", "compute", "other"), key=lambda k: row.get(k) or 0.0)
+    return (
+        f"worker {worst} holds the others back: its own work takes {own[worst] / median:.1f}x the "
+        f"others' ({part} {row[part] * 1e3:.1f} ms per step)"
+    )
