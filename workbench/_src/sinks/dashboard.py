@@ -25,7 +25,7 @@ from typing import Literal
 
 from workbench._src.core.run import Event
 from workbench._src.core.run_stats import figures, fmt, fmt_duration, shown_reason
-from workbench._src.plots import run_plot
+from workbench._src.plots import breakdown_plot, run_plot
 from workbench._src.sinks import runstore
 
 Frontend = Literal["auto", "widgets", "console"]
@@ -119,6 +119,7 @@ class Dashboard:
         self.config: dict = {}
         self.first_step = 1
         self.message: str | None = None
+        self.breakdown: dict | None = None  # the last "breakdown" event's data (rows, text)
         self.png: bytes | None = None  # the last figure drawn
         self.renders = 0
         self.render_seconds = 0.0
@@ -163,6 +164,8 @@ class Dashboard:
             self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
         elif event.kind == "renamed":
             self.name = event.data.get("name") or self.name
+        elif event.kind == "breakdown":
+            self.breakdown = dict(event.data)
         elif event.kind == "ended":
             self.run_id = self.run_id or event.run_id
             self.name = self.name or event.data.get("name") or _name_from_id(event.run_id)
@@ -292,6 +295,8 @@ class Dashboard:
         if self.frontend == "widgets":
             reason = shown_reason(self.status, (self._ended or {}).get("reason"))
             self._header.value = _status_html(title, self.message, reason)
+            if self.breakdown:  # where a step's time goes: a stacked bar per worker, a sentence
+                self._breakdown_bar.value = breakdown_plot.bar_html(self.breakdown["rows"], self.breakdown.get("text", ""))
 
     def _update_bar(self, summary: dict, fig: dict, metrics: list[str], final: bool) -> None:
         if not self._progress:
@@ -389,9 +394,10 @@ class Dashboard:
             self._bar = tqdm(total=None, unit="step", display=False, bar_format=BAR_FORMAT)
             row.insert(0, self._bar.container)
         self._build_controls()
+        self._breakdown_bar = w.HTML()  # filled by the run's "breakdown" events
         # The controls above the figure, which stays the box's last child (the panel's tests and
         # any code reading the figure from `.widget` find it there).
-        self.widget = w.VBox([self._header, w.HBox(row), self._controls, self._image])
+        self.widget = w.VBox([self._header, w.HBox(row), self._breakdown_bar, self._controls, self._image])
 
     def _build_controls(self) -> None:
         """TensorBoard's smoothing slider and a y-scale toggle, above the figure."""
