@@ -63,6 +63,7 @@ class BreakdownRecorder:
         self.previous_end: float | None = None
         self.published_at = 0.0
         self.unpublished = False
+        self.collective_bytes = 0  # per replica and step (step_clock.CollectiveTimer.bytes)
 
     def chunk(self, began: float, ended: float, marks, traced: bool) -> None:
         """A chunk ran between began and ended (time.time); `traced`: its call compiled the loop."""
@@ -86,6 +87,7 @@ class BreakdownRecorder:
         for key in (*PARTS, "step"):
             row[key] = sum(c[key] for c in self.chunks) / steps
         row["steps"] = steps
+        row["collective_bytes"] = self.collective_bytes
         return row
 
     def publish(self) -> None:
@@ -107,6 +109,8 @@ def frame(rows: list[dict]):
     table = pd.DataFrame([{k: r.get(k) for k in ("worker", *COLUMNS)} for r in rows], columns=["worker", *COLUMNS])
     table = table.set_index("worker")
     table.attrs["diagnosis"] = diagnosis(rows)
+    # what a step's collectives carry per replica (the gradients): the forecast's message size
+    table.attrs["collective_bytes"] = max((r.get("collective_bytes") or 0 for r in rows), default=0)
     return table
 
 
@@ -148,10 +152,8 @@ def diagnosis(rows: list[dict], asynchronous: bool = False) -> str:
     what = "parameter-server traffic" if asynchronous else "all-reduce"
     sentence = FIXES[top].format(share=share[top], what=what)
     if share[top] < 0.5:
-        sentence = "no single cause; largest part: " + sentence.split(": ", 1)[1].split(";")[0] + (
-            f" ({top}); input {share['input']:.0%}, compute {share['compute']:.0%}, "
-            f"communication {share['communication']:.0%}, other {share['other']:.0%}"
-        )
+        ranked = sorted(PARTS, key=share.get, reverse=True)
+        sentence = "mixed (no part takes half a step): " + ", ".join(f"{k} {share[k]:.0%}" for k in ranked)
     slow = slowest_worker(rows)
     if slow is not None:
         sentence += f"; {slow}"

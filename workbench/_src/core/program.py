@@ -41,6 +41,7 @@ class Program:
     can_time = True
     timing = False
     last_marks = None  # the last chunk's clock readings [steps, step_clock.MARKS], when timed
+    collective_bytes = 0  # bytes step_fn's collectives carry per replica and step (timed trace)
 
     def __init__(self, replicator, step_fn: Callable, input_fn: Callable):
         if not callable(step_fn):
@@ -96,6 +97,7 @@ class Program:
         """_metrics_step, and the seconds this replica spent inside collectives (step_clock)."""
         with step_clock.CollectiveTimer() as timer:
             row = self._metrics_step(batch)
+        self.collective_bytes = timer.bytes  # (while tracing; every replica traces the same)
         return row, timer.seconds()
 
     # ----- compiled functions -------------------------------------------------------------

@@ -154,6 +154,7 @@ class InProcessExecutor:
         result = self.program.run_fused(k)  # runs now; program.steps_done advances
         if self.breakdown is not None:
             self.breakdown.chunk(began, time.time(), self.program.last_marks, traced=traces)
+            self.breakdown.collective_bytes = self.program.collective_bytes
         return result
 
     def collect(self, handle):

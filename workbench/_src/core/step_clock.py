@@ -56,13 +56,16 @@ class CollectiveTimer:
     """While step_fn is traced inside a replica: brackets each collective with clock readings.
 
     `seconds()` is the float64 total of (after - before) over the collectives traced, 0.0 when
-    step_fn issued none (one device, or a step without cross-replica work).
+    step_fn issued none (one device, or a step without cross-replica work). `bytes`: what the
+    traced collectives carry per replica and step, from the tensors' static shapes (the
+    gradients, for an optimizer's all-reduce): the scaling forecast's message size.
     """
 
     WRAPPED = ("all_reduce", "all_gather")
 
     def __init__(self):
         self.spans: list = []
+        self.bytes = 0
         self.context = None
 
     def __enter__(self):
@@ -96,6 +99,7 @@ class CollectiveTimer:
                 kwargs["value"] = after(before, kwargs["value"])
             else:
                 return collective(*args, **kwargs)
+            self.bytes += _static_bytes(args[index] if len(args) > index else kwargs["value"])
             out = collective(*args, **kwargs)
             spans.append(stamp_after(out) - before)
             return out
@@ -107,3 +111,14 @@ class CollectiveTimer:
         if not self.spans:
             return t.constant(0.0, t.float64)
         return t.add_n(self.spans)
+
+
+def _static_bytes(value) -> int:
+    """Bytes of the tensors in `value` whose shapes are known while tracing (others: 0)."""
+    t = tf()
+    total = 0
+    for v in t.nest.flatten(value, expand_composites=True):
+        shape = getattr(v, "shape", None)
+        if shape is not None and shape.is_fully_defined() and hasattr(v, "dtype"):
+            total += shape.num_elements() * v.dtype.size
+    return total
