@@ -92,14 +92,14 @@ def forecast(
 
 
 def assumptions(baseline, nbytes, link_gbps, latency_us, d, intra_gbps, mode) -> str:
-    intra = "free (not modelled)" if intra_gbps is None else f"a ring at {fmt(intra_gbps)} Gbit/s"
+    intra = "free (not modelled)" if intra_gbps is None else f"a ring at {intra_gbps:g} Gbit/s"
     return "\n".join(
         [
             f"measured at {int(baseline.get('replicas') or 1)} replica(s): compute {fmt(1e3 * baseline['compute_s'])} ms, "
             f"input {fmt(1e3 * baseline['input_s'])} ms, other {fmt(1e3 * baseline['other_s'])} ms per step; "
             f"gradients {fmt(nbytes / 1e6)} MB per replica per step; {fmt(baseline['examples_per_sec'])} examples/s",
-            f"collective: ring all-reduce across workers, 2(N-1)/N x bytes / {fmt(link_gbps)} Gbit/s "
-            f"+ 2(N-1) x {fmt(latency_us)} us; inside a worker ({d} device(s)): {intra}",
+            f"collective: ring all-reduce across workers, 2(N-1)/N x bytes / {link_gbps:g} Gbit/s "
+            f"+ 2(N-1) x {latency_us:g} us; inside a worker ({d} device(s)): {intra}",
             f"{mode} scaling; no overlap of all-reduce and compute; full link bandwidth per worker; "
             "no stragglers; input wait grows with the examples a worker reads per step",
         ]
