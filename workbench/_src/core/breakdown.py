@@ -11,7 +11,8 @@ Together with the host's own clock around the call they tile the chunk's time:
           metric reduction, peers' delays included
 
 so the parts add up to the measured time per step (`step`) up to the two clocks' agreement.
-Figures are seconds per step over about the last WINDOW_STEPS timed steps of one worker; each
+About a fifth of the steps are timed (SAMPLE_SHARE: whole chunks, the first one after tracing
+always). Figures are seconds per step over about the last WINDOW_STEPS timed steps of one worker; each
 worker publishes its row as a "breakdown" event (a launched run relays every worker's).
 """
 
@@ -25,6 +26,9 @@ import numpy as np
 PARTS = ("input", "compute", "communication", "other")
 COLUMNS = (*PARTS, "step", "steps")
 WINDOW_STEPS = 2000  # the breakdown follows the run's present, not its start
+# The share of steps whose chunk reads the clock: a sample, so the readings' cost (a few
+# microseconds per step) is a fifth of itself; the first chunk after tracing is always one.
+SAMPLE_SHARE = 0.2
 PUBLISH_EVERY = 1.0  # seconds between a worker's breakdown events (the last one always goes)
 
 
@@ -61,15 +65,26 @@ class BreakdownRecorder:
         self.chunks: collections.deque = collections.deque()
         self.window_steps = 0
         self.previous_end: float | None = None
+        self.seen_steps = 0  # steps of every chunk after tracing
+        self.sampled_steps = 0  # of those, the steps of timed chunks
         self.published_at = 0.0
         self.unpublished = False
         self.collective_bytes = 0  # per replica and step (step_clock.CollectiveTimer.bytes)
 
-    def chunk(self, began: float, ended: float, marks, traced: bool) -> None:
-        """A chunk ran between began and ended (time.time); `traced`: its call compiled the loop."""
+    def wants_sample(self) -> bool:
+        """Whether the next chunk should read the clock (keeps timed steps near SAMPLE_SHARE)."""
+        return self.sampled_steps <= SAMPLE_SHARE * self.seen_steps
+
+    def chunk(self, began: float, ended: float, steps: int, marks, traced: bool) -> None:
+        """A chunk of `steps` ran between began and ended (time.time); marks: its clock readings
+        (None: not a timed chunk); `traced`: its call compiled the loop."""
         previous, self.previous_end = self.previous_end, ended
-        if traced or marks is None or not len(marks):
+        if traced:
             return  # tracing is not a step's time (run.compile_seconds has it)
+        self.seen_steps += steps
+        if marks is None or not len(marks):
+            return
+        self.sampled_steps += len(marks)
         self.chunks.append(chunk_parts(began, ended, previous, marks))
         self.window_steps += len(marks)
         while self.window_steps - self.chunks[0]["steps"] >= WINDOW_STEPS:

@@ -223,13 +223,21 @@ class Program:
         self.steps_done += 1
         return list(self.replicator.strategy.experimental_local_results(out))
 
-    def run_fused(self, n: int) -> tuple[np.ndarray, int]:
-        """Runs up to n steps; returns (rows [steps, metrics + batch size] summed over replicas, steps)."""
+    def run_fused(self, n: int, timed: bool = False) -> tuple[np.ndarray, int]:
+        """Runs up to n steps; returns (rows [steps, metrics + batch size] summed over replicas, steps).
+
+        timed: this chunk reads the clock in every step (`last_marks`; step_clock.py). With
+        `timing` on, the first call also traces the other variant, so that switching between
+        them later never compiles inside a measured chunk.
+        """
         t = tf()
-        timed = bool(self.timing and self.can_time)
-        self.traced_variants.add(timed)
+        timed = bool(timed and self.can_time)
         try:
             out = call_compiled(self._fused, self.iterator, t.constant(n), timed)
+            self.traced_variants.add(timed)
+            if self.timing and self.can_time and (not timed) not in self.traced_variants:
+                call_compiled(self._fused.get_concrete_function, self.iterator, t.constant(n), not timed)
+                self.traced_variants.add(not timed)
         except t.errors.InvalidArgumentError as e:
             raise _translated(e) from None
         rows, done = out[0], out[1]

@@ -149,12 +149,15 @@ class InProcessExecutor:
             self.breakdown = BreakdownRecorder(run, worker=self.program.replicator.worker_id)
 
     def submit(self, k: int):
-        traces = bool(self.program.timing) not in self.program.traced_variants
+        recorder = self.breakdown
+        # The first call compiles (untimed; it traces the timed variant too: Program.run_fused).
+        timed = recorder is not None and bool(self.program.traced_variants) and recorder.wants_sample()
+        traces = timed not in self.program.traced_variants
         began = time.time()  # the wall clock, as the loop's tf.timestamp readings
-        result = self.program.run_fused(k)  # runs now; program.steps_done advances
-        if self.breakdown is not None:
-            self.breakdown.chunk(began, time.time(), self.program.last_marks, traced=traces)
-            self.breakdown.collective_bytes = self.program.collective_bytes
+        result = self.program.run_fused(k, timed=timed)  # runs now; program.steps_done advances
+        if recorder is not None:
+            recorder.chunk(began, time.time(), result[1], self.program.last_marks, traced=traces)
+            recorder.collective_bytes = self.program.collective_bytes
         return result
 
     def collect(self, handle):
