@@ -50,7 +50,7 @@ def chunk_parts(began: float, ended: float, previous_end: float | None, marks) -
         "input": float(np.sum(ready - begin)),
         "compute": float(np.sum(body - communication)),
         "communication": float(np.sum(communication)),
-        "other": max(0.0, between_calls + outside + between_steps),
+        "other": float(max(0.0, between_calls + outside + between_steps)),
         "step": (ended - began) + between_calls,  # the host's measure of the same time
         "steps": len(marks),
     }
@@ -77,10 +77,13 @@ class BreakdownRecorder:
 
     def chunk(self, began: float, ended: float, steps: int, marks, traced: bool) -> None:
         """A chunk of `steps` ran between began and ended (time.time); marks: its clock readings
-        (None: not a timed chunk); `traced`: its call compiled the loop."""
+        (None: not a timed chunk); `traced`: its call compiled or instantiated the loop."""
         previous, self.previous_end = self.previous_end, ended
         if traced:
-            return  # tracing is not a step's time (run.compile_seconds has it)
+            # Tracing is not a step's time (run.compile_seconds has it), and neither is the run
+            # loop's first bookkeeping after it: the next chunk's time between calls is left out.
+            self.previous_end = None
+            return
         self.seen_steps += steps
         if marks is None or not len(marks):
             return

@@ -69,6 +69,7 @@ class Program:
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
         self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
         self.traced_variants: set = set()  # timing on/off: each is its own trace
+        self.executed_variants: set = set()  # run at least once (the first run instantiates it)
         self.metric_names: list[str] | None = None  # scalar outputs, found while tracing
         t = tf()
         self._one_step = t.function(self._one_step_graph)
@@ -228,7 +229,8 @@ class Program:
 
         timed: this chunk reads the clock in every step (`last_marks`; step_clock.py). With
         `timing` on, the first call also traces the other variant, so that switching between
-        them later never compiles inside a measured chunk.
+        them later does not trace inside a measured chunk (its first run still instantiates
+        it: ~0.1 s for a small model, which the breakdown leaves out of its sample).
         """
         t = tf()
         timed = bool(timed and self.can_time)
@@ -241,6 +243,7 @@ class Program:
         except t.errors.InvalidArgumentError as e:
             raise _translated(e) from None
         rows, done = out[0], out[1]
+        self.executed_variants.add(timed)
         self.fused_traced = True
         done = int(done)
         self.last_marks = out[2].numpy()[:done] if timed else None

@@ -150,9 +150,10 @@ class InProcessExecutor:
 
     def submit(self, k: int):
         recorder = self.breakdown
-        # The first call compiles (untimed; it traces the timed variant too: Program.run_fused).
+        # The first call compiles (untimed; it traces the timed variant too: Program.run_fused);
+        # a variant's first run instantiates it: neither is a step's time.
         timed = recorder is not None and bool(self.program.traced_variants) and recorder.wants_sample()
-        traces = timed not in self.program.traced_variants
+        traces = timed not in self.program.executed_variants
         began = time.time()  # the wall clock, as the loop's tf.timestamp readings
         result = self.program.run_fused(k, timed=timed)  # runs now; program.steps_done advances
         if recorder is not None:
