@@ -50,8 +50,9 @@ def forecast(
     intra_gbps: float | None = None,
     mode: str = "weak",
 ):
-    """The forecast table from a measured baseline: a dict with compute_s, input_s, other_s,
-    gradient_bytes, per_replica_batch, replicas, examples_per_sec (a scaling study's row)."""
+    """The forecast table from a measured baseline: a dict with input_s, compute_s,
+    communication_s, other_s, gradient_bytes, per_replica_batch and replicas (a scaling study's
+    row has them)."""
     _check(workers, link_gbps, devices_per_worker, latency_us, intra_gbps)
     base_replicas = int(baseline.get("replicas") or 1)
     nbytes = float(baseline.get("gradient_bytes") or 0.0)
@@ -97,7 +98,8 @@ def assumptions(baseline, nbytes, link_gbps, latency_us, d, intra_gbps, mode) ->
         [
             f"measured at {int(baseline.get('replicas') or 1)} replica(s): compute {fmt(1e3 * baseline['compute_s'])} ms, "
             f"input {fmt(1e3 * baseline['input_s'])} ms, other {fmt(1e3 * baseline['other_s'])} ms per step; "
-            f"gradients {fmt(nbytes / 1e6)} MB per replica per step; {fmt(baseline['examples_per_sec'])} examples/s",
+            f"gradients {fmt(nbytes / 1e6)} MB per replica per step"
+            + (f"; {fmt(baseline['examples_per_sec'])} examples/s" if baseline.get("examples_per_sec") else ""),
             f"collective: ring all-reduce across workers, 2(N-1)/N x bytes / {link_gbps:g} Gbit/s "
             f"+ 2(N-1) x {latency_us:g} us; inside a worker ({d} device(s)): {intra}",
             f"{mode} scaling; no overlap of all-reduce and compute; full link bandwidth per worker; "
