@@ -150,3 +150,17 @@ def test_dashboard_and_sidebar_card_show_the_breakdown():
     card = labcomm._RunWatcher(run)
     run.subscribe(card)  # (past events replayed)
     assert card.info()["breakdown"] == run.diagnosis()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_orphans")
+def test_async_ps_counts_parameter_server_traffic_as_communication():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    run = repl.train(setup=lambda r: big_mlp_setup(r, width=256, layers=4, batch=16), steps=200)
+    table = run.breakdown()
+    assert list(table.index) == [0], table.to_string()  # the workers' chunks pooled: one row
+    assert table.loc[0, "communication"] > 0, table.to_string()
+    assert_parts_add_up(table)
+    assert "parameter-server traffic" in breakdown.diagnosis(
+        [{**table.reset_index().iloc[0].to_dict(), "communication": 1.0}], asynchronous=True
+    )
