@@ -6,7 +6,9 @@ import keras
 import tensorflow as tf
 
 keras.utils.set_random_seed(0)
-model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256, activation="relu") for _ in range(4)])
+model = keras.Sequential(
+    [keras.Input((256,))] + [keras.layers.Dense(256, activation="relu") for _ in range(4)]
+)
 optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.01))  # noqa: F821 - given by the workbench
 
 

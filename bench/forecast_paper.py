@@ -23,9 +23,14 @@ BASELINE = {"replicas": 1, "per_replica_batch": 64, "input_s": 0.0, "compute_s":
 
 def main():
     paper = reference_speedup(TF_REPLICATOR_RESNET50_MINUTES)
-    print(f"one GPU: {STEP * 1e3:.0f} ms per step of 64 images; gradients {BASELINE['gradient_bytes'] / 1e6:.0f} MB")
+    print(
+        f"one GPU: {STEP * 1e3:.0f} ms per step of 64 images; gradients {BASELINE['gradient_bytes'] / 1e6:.0f} MB"
+    )
     print("GPUs  paper efficiency   forecast efficiency at 10 / 25 / 100 Gbit/s between machines")
-    tables = {g: forecast(BASELINE, [1, 4, 8], link_gbps=g, devices_per_worker=8, intra_gbps=1200.0) for g in (10, 25, 100)}
+    tables = {
+        g: forecast(BASELINE, [1, 4, 8], link_gbps=g, devices_per_worker=8, intra_gbps=1200.0)
+        for g in (10, 25, 100)
+    }
     for i, gpus in enumerate((8, 32, 64)):
         forecasts = " / ".join(f"{tables[g].iloc[i]['efficiency']:.0%}" for g in (10, 25, 100))
         print(f"{gpus:4d}  {paper[gpus] / gpus:16.0%}   {forecasts}")

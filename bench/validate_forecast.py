@@ -59,16 +59,24 @@ def main():
             predicted = forecast(baseline, [2], link_gbps=gbps, latency_us=args.latency_us).iloc[0]
             cluster = {"worker": [f"{a}:{23130 + 2 * port + i}" for i, a in enumerate(hosts.addresses)]}
             options = [["--backend", "multi-worker", "--cluster", "TF_CONFIG"]] * 2
-            envs = [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})} for i in (0, 1)]
+            envs = [
+                {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
+                for i in (0, 1)
+            ]
             results = run_tasks(hosts, tmp, rate, options, args.steps, envs)
             per_worker = [next(iter(r["breakdown_ms"].values())) for r in results]
             median_step = chief_median_step_ms(os.path.join(tmp, f"{rate}-0.csv"))
             rows.append((rate, predicted, per_worker, median_step))
-            print(f"{rate}: predicted {predicted['step_ms']:.2f} ms; measured {per_worker} (median history step {median_step:.2f} ms)", flush=True)
+            print(
+                f"{rate}: predicted {predicted['step_ms']:.2f} ms; measured {per_worker} (median history step {median_step:.2f} ms)",
+                flush=True,
+            )
     finally:
         hosts.close()
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-    print("link     predicted step (comm)   measured step per worker (comm share)     chief median   predicted/measured")
+    print(
+        "link     predicted step (comm)   measured step per worker (comm share)     chief median   predicted/measured"
+    )
     for rate, predicted, per_worker, median_step in rows:
         measured = statistics.mean(w["step"] for w in per_worker)
         shares = ", ".join(f"{w['step']:.2f} ms ({w['communication'] / w['step']:.0%})" for w in per_worker)
@@ -103,7 +111,14 @@ def run_tasks(hosts, tmp, tag, options, steps, envs=None) -> list[dict]:
     for index, extra in enumerate(options):
         log_path = os.path.join(tmp, f"{tag}-{index}.log")
         logs.append(log_path)
-        argv = [*WORKBENCH, *extra, "--steps", str(steps), "--history", os.path.join(tmp, f"{tag}-{index}.csv")]
+        argv = [
+            *WORKBENCH,
+            *extra,
+            "--steps",
+            str(steps),
+            "--history",
+            os.path.join(tmp, f"{tag}-{index}.csv"),
+        ]
         env = {"PYTHONUNBUFFERED": "1", **((envs or [{}] * len(options))[index])}
         processes.append(hosts.popen(index, argv, env, open(log_path, "w")))
     deadline = time.monotonic() + 600

@@ -110,21 +110,35 @@ def test_breakdown_off_reads_no_clock():
 
 
 def test_breakdown_option_is_checked():
-    with pytest.raises(wb.ConfigurationError, match=r"breakdown must be True or False; received breakdown='no'"):
+    with pytest.raises(
+        wb.ConfigurationError, match=r"breakdown must be True or False; received breakdown='no'"
+    ):
         wb.NonReplicator().train(setup=sleepy_pipeline_setup, steps=1, breakdown="no")
 
 
 def test_the_sentence_names_the_slowest_worker_and_asynchronous_traffic():
     rows = [
         {"worker": 0, "input": 0.001, "compute": 0.002, "communication": 0.012, "other": 0.0, "step": 0.015},
-        {"worker": 1, "input": 0.009, "compute": 0.002, "communication": 0.003, "other": 0.001, "step": 0.015},
+        {
+            "worker": 1,
+            "input": 0.009,
+            "compute": 0.002,
+            "communication": 0.003,
+            "other": 0.001,
+            "step": 0.015,
+        },
     ]
     text = breakdown.diagnosis(rows)
     assert text.startswith("communication-bound: 50% in all-reduce"), text
-    assert "worker 1 holds the others back: its own work takes 4.0x the others' (input 9.0 ms per step)" in text
+    assert (
+        "worker 1 holds the others back: its own work takes 4.0x the others' (input 9.0 ms per step)" in text
+    )
     assert "parameter-server traffic" in breakdown.diagnosis(rows, asynchronous=True)
     even = [{"worker": 0, "input": 1.0, "compute": 1.0, "communication": 1.0, "other": 1.0, "step": 4.0}]
-    assert breakdown.diagnosis(even) == "mixed (no part takes half a step): input 25%, compute 25%, communication 25%, other 25%"
+    assert (
+        breakdown.diagnosis(even)
+        == "mixed (no part takes half a step): input 25%, compute 25%, communication 25%, other 25%"
+    )
 
 
 @pytest.mark.slow

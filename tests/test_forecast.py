@@ -59,9 +59,18 @@ def test_forecast_prints_numbers_as_people_read_them_and_its_assumptions():
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"workers": [0, 8]}, r"workers must be a list of positive worker counts, e.g. \[8, 16, 64\]; received workers=\[0, 8\]"),
-        ({"link_gbps": 0}, r"link_gbps must be a positive number; received link_gbps=0\. Fix: e\.g\. link_gbps=10"),
-        ({"devices_per_worker": 0}, r"devices_per_worker must be an integer >= 1; received devices_per_worker=0"),
+        (
+            {"workers": [0, 8]},
+            r"workers must be a list of positive worker counts, e.g. \[8, 16, 64\]; received workers=\[0, 8\]",
+        ),
+        (
+            {"link_gbps": 0},
+            r"link_gbps must be a positive number; received link_gbps=0\. Fix: e\.g\. link_gbps=10",
+        ),
+        (
+            {"devices_per_worker": 0},
+            r"devices_per_worker must be an integer >= 1; received devices_per_worker=0",
+        ),
     ],
 )
 def test_forecast_errors_say_what_was_received(kwargs, pattern):

@@ -101,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--out", default="scaling.png", help="where to write the figure PNG")
     scale.add_argument("--csv", help="also write the table to this CSV file")
     scale.add_argument(
-        "--repeats", type=int, default=1, help="measure each configuration this many times, interleaved (spread)"
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure each configuration this many times, interleaved (spread)",
     )
     scale.add_argument("--threads", type=int, help="TensorFlow threads per worker (multi-worker)")
     scale.add_argument("--cpus", type=int, help="virtual CPU devices here (mirrored; default max(8, counts))")

@@ -124,7 +124,9 @@ def frame(rows: list[dict]):
     """The DataFrame run.breakdown() returns: one row per worker (index `worker`)."""
     import pandas as pd
 
-    table = pd.DataFrame([{k: r.get(k) for k in ("worker", *COLUMNS)} for r in rows], columns=["worker", *COLUMNS])
+    table = pd.DataFrame(
+        [{k: r.get(k) for k in ("worker", *COLUMNS)} for r in rows], columns=["worker", *COLUMNS]
+    )
     table = table.set_index("worker")
     table.attrs["diagnosis"] = diagnosis(rows)
     # what a step's collectives carry per replica (the gradients): the forecast's message size

@@ -111,7 +111,9 @@ class Program:
         t = tf()
         strategy = self.replicator.strategy
         clock = step_clock
-        marks = t.TensorArray(t.float64, size=n if timed else 0, dynamic_size=timed and not self.infinite_input)
+        marks = t.TensorArray(
+            t.float64, size=n if timed else 0, dynamic_size=timed and not self.infinite_input
+        )
         last = t.timestamp() if timed else t.constant(0.0, t.float64)
         step = self._timed_metrics_step if timed else self._metrics_step
         if self.infinite_input and self.replicator.spec.local_rows:

@@ -39,7 +39,9 @@ def bar_html(rows: list[dict], text: str = "") -> str:
         for p in PARTS
     )
     sentence = f"<div class='wb-breakdown-text'>{html.escape(text)}</div>" if text else ""
-    return f"<div class='wb-breakdown'>{''.join(lines)}<div style='font-size:90%'>{legend}</div>{sentence}</div>"
+    return (
+        f"<div class='wb-breakdown'>{''.join(lines)}<div style='font-size:90%'>{legend}</div>{sentence}</div>"
+    )
 
 
 def draw_stacked(ax, labels: list[str], rows: list[dict], per: str = "ms") -> None:

@@ -102,7 +102,9 @@ def run_file(args) -> int:
     table = run.breakdown()
     if not table.empty:  # this process's workers: milliseconds per step of each part
         parts = table.drop(columns="steps") * 1e3
-        summary["breakdown_ms"] = {str(w): {k: round(v, 3) for k, v in row.items()} for w, row in parts.iterrows()}
+        summary["breakdown_ms"] = {
+            str(w): {k: round(v, 3) for k, v in row.items()} for w, row in parts.iterrows()
+        }
         summary["collective_bytes"] = int(table.attrs.get("collective_bytes") or 0)
     if args.history:
         run.history.to_csv(args.history, index=False)

@@ -296,7 +296,9 @@ class Dashboard:
             reason = shown_reason(self.status, (self._ended or {}).get("reason"))
             self._header.value = _status_html(title, self.message, reason)
             if self.breakdown:  # where a step's time goes: a stacked bar per worker, a sentence
-                self._breakdown_bar.value = breakdown_plot.bar_html(self.breakdown["rows"], self.breakdown.get("text", ""))
+                self._breakdown_bar.value = breakdown_plot.bar_html(
+                    self.breakdown["rows"], self.breakdown.get("text", "")
+                )
 
     def _update_bar(self, summary: dict, fig: dict, metrics: list[str], final: bool) -> None:
         if not self._progress:

@@ -88,7 +88,9 @@ def forecast(
              "speedup": speedup, "efficiency": speedup / (replicas / base_replicas)}
         )  # fmt: skip
     table = forecast_frame(rows)
-    table.attrs["assumptions"] = assumptions(baseline, nbytes, link_gbps, latency_us, devices_per_worker, intra_gbps, mode)
+    table.attrs["assumptions"] = assumptions(
+        baseline, nbytes, link_gbps, latency_us, devices_per_worker, intra_gbps, mode
+    )
     return table
 
 
@@ -99,7 +101,11 @@ def assumptions(baseline, nbytes, link_gbps, latency_us, d, intra_gbps, mode) ->
             f"measured at {int(baseline.get('replicas') or 1)} replica(s): compute {fmt(1e3 * baseline['compute_s'])} ms, "
             f"input {fmt(1e3 * baseline['input_s'])} ms, other {fmt(1e3 * baseline['other_s'])} ms per step; "
             f"gradients {fmt(nbytes / 1e6)} MB per replica per step"
-            + (f"; {fmt(baseline['examples_per_sec'])} examples/s" if baseline.get("examples_per_sec") else ""),
+            + (
+                f"; {fmt(baseline['examples_per_sec'])} examples/s"
+                if baseline.get("examples_per_sec")
+                else ""
+            ),
             f"collective: ring all-reduce across workers, 2(N-1)/N x bytes / {link_gbps:g} Gbit/s "
             f"+ 2(N-1) x {latency_us:g} us; inside a worker ({d} device(s)): {intra}",
             f"{mode} scaling; no overlap of all-reduce and compute; full link bandwidth per worker; "
@@ -120,12 +126,21 @@ def _check(workers, link_gbps, devices_per_worker, latency_us, intra_gbps) -> No
     for name, value in (("link_gbps", link_gbps), ("latency_us", latency_us), ("intra_gbps", intra_gbps)):
         if value is None and name == "intra_gbps":
             continue
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (name == "link_gbps" and not value):
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or value < 0
+            or (name == "link_gbps" and not value)
+        ):
             raise ConfigurationError(
                 f"{name} must be a positive number; received {name}={value!r}. Fix: e.g. link_gbps=10 "
                 "(10 Gbit/s Ethernet), latency_us=50."
             )
-    if not isinstance(devices_per_worker, int) or isinstance(devices_per_worker, bool) or devices_per_worker < 1:
+    if (
+        not isinstance(devices_per_worker, int)
+        or isinstance(devices_per_worker, bool)
+        or devices_per_worker < 1
+    ):
         raise ConfigurationError(
             f"devices_per_worker must be an integer >= 1; received devices_per_worker={devices_per_worker!r}."
         )
@@ -151,7 +166,7 @@ def forecast_frame(rows):
             def __repr__(self):
                 text = self.to_string(index=False, float_format=_readable)
                 note = self.attrs.get("assumptions")
-                return text + (f"\nassumptions:\n  " + note.replace("\n", "\n  ") if note else "")
+                return text + ("\nassumptions:\n  " + note.replace("\n", "\n  ") if note else "")
 
             def _repr_html_(self):
                 import html

@@ -215,7 +215,9 @@ class ScalingStudy:
         html = table[cols].to_html(index=False, float_format=fmt)  # 11,050, not 1.105e+04
         img = base64.b64encode(png_bytes(self)).decode()
         notes = "".join(f"<br>{note}" for note in self.notes())
-        return f"<b>wb.ScalingStudy</b> ({self.mode})<br><img src='data:image/png;base64,{img}'/>{html}{notes}"
+        return (
+            f"<b>wb.ScalingStudy</b> ({self.mode})<br><img src='data:image/png;base64,{img}'/>{html}{notes}"
+        )
 
     def forecast(
         self,
