@@ -178,3 +178,76 @@ def test_async_ps_counts_parameter_server_traffic_as_communication():
     assert "parameter-server traffic" in breakdown.diagnosis(
         [{**table.reset_index().iloc[0].to_dict(), "communication": 1.0}], asynchronous=True
     )
+
+
+COMMUNICATION_BOUND_MODEL = """
+import keras
+import tensorflow as tf
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((256,))] + [keras.layers.Dense(256, activation="relu") for _ in range(4)])
+optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.01))
+
+
+def input_fn(ctx):
+    return tf.data.Dataset.from_tensors(tf.ones([16, 256])).repeat()
+
+
+def step_fn(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x)))
+    optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    return {"loss": loss}
+"""
+
+
+@pytest.mark.slow
+def test_two_hosts_over_a_100_mbit_link_are_communication_bound(tmp_path):
+    """The steering bar's network case on two network-namespace hosts (TF_CONFIG, one
+    `workbench run` per host; Ray's two-node form is not run here): a 256-wide 4-layer MLP on
+    batches of 16 carries 1 MB of gradients per step, which a 100 Mbit/s link takes ~84 ms for."""
+    import json
+    import subprocess
+
+    from two_hosts import WORKBENCH, TwoHosts
+
+    hosts = TwoHosts()
+    try:
+        for name, link in zip(hosts.names, hosts.links):
+            subprocess.run(
+                ["ip", "netns", "exec", name, "tc", "qdisc", "replace", "dev", link, "root", "tbf",
+                 "rate", "100mbit", "burst", "64kb", "latency", "200ms"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        model = tmp_path / "model.py"
+        model.write_text(COMMUNICATION_BOUND_MODEL)
+        cluster = {"worker": [f"{a}:{23150 + i}" for i, a in enumerate(hosts.addresses)]}
+        workers = []
+        for index in (0, 1):
+            config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+            argv = [
+                *WORKBENCH,
+                "run",
+                str(model),
+                "--backend",
+                "multi-worker",
+                "--cluster",
+                "TF_CONFIG",
+                "--steps",
+                "60",
+            ]
+            log = open(tmp_path / f"worker{index}.log", "w")
+            workers.append(hosts.popen(index, argv, {"TF_CONFIG": config}, log))
+        for worker in workers:
+            worker.wait(timeout=300)
+        logs = [(tmp_path / f"worker{i}.log").read_text() for i in (0, 1)]
+        assert [w.returncode for w in workers] == [0, 0], "\n".join(log[-2000:] for log in logs)
+        for index, text in enumerate(logs):
+            summary = json.loads(next(line for line in reversed(text.splitlines()) if line.startswith("{")))
+            row = summary["breakdown_ms"][str(index)]
+            parts = sum(row[k] for k in PARTS)
+            assert row["communication"] / parts >= 0.5, row
+            assert 0.85 < parts / row["step"] < 1.15, row
+            assert summary["breakdown"].startswith("communication-bound: "), summary["breakdown"]
+    finally:
+        hosts.close()
