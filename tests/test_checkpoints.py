@@ -64,6 +64,7 @@ def test_plain_tensorflow_restores_the_named_objects(tmp_path):
         "model",
         "optimizer",
         "step",
+        "workbench",  # the run state a resumed run continues from (the input's position, its goal)
         "save_counter",
     }
 
@@ -115,7 +116,7 @@ def test_checkpoints_in_the_old_nested_layout_still_load(tmp_path):
     repl.train(step_fn, input_fn, steps=3, checkpoint_dir=tmp_path, checkpoint={"model": model})
     latest = tf.train.latest_checkpoint(str(tmp_path))
     assert latest.endswith("ckpt-10")
-    assert set(saved_names(latest)) == {"model", "step", "save_counter"}
+    assert set(saved_names(latest)) == {"model", "step", "workbench", "save_counter"}
 
 
 def test_saver_resumes_only_when_asked(tmp_path):
@@ -131,8 +132,9 @@ def test_saver_resumes_only_when_asked(tmp_path):
     assert Saver(program, tmp_path, items, resume=False).restore_if_any() is None
     assert program.steps_done == 0
     assert not np.array_equal(model2.get_weights()[0], saved[0])
-    assert Saver(program, tmp_path, items, resume=True).restore_if_any() == 5
-    assert program.steps_done == 5
+    restored = Saver(program, tmp_path, items, resume=True).restore_if_any()
+    assert (restored.step, restored.input_position, restored.goal_step) == (5, 5, 0)  # (it finished)
+    assert program.steps_done == 5 and program.input_position == 5  # its input is 5 batches in
     np.testing.assert_array_equal(model2.get_weights()[0], saved[0])
 
 

@@ -57,11 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         options.STEPS.but(required=True),
         options.STEPS_PER_EXECUTION,
         options.CHECKPOINT,
+        options.CHECKPOINT_EVERY,
+        options.MAX_RESTARTS,
         options.NAME,
         options.TAGS,
-    )
-    run.add_argument(
-        "--checkpoint-every", type=options.positive_int, metavar="N", help="also save every N steps"
     )
     run.add_argument("--history", metavar="CSV", help="write the run's history to this CSV file")
     run.add_argument(

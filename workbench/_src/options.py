@@ -36,6 +36,16 @@ def steps(text: str) -> int:
     return value
 
 
+def restarts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of restarts such as 3 (0: none), received {text!r}")
+    return value
+
+
 def steps_per_execution(text: str):
     return "auto" if text.strip().lower() == "auto" else positive_int(text)
 
@@ -108,6 +118,15 @@ STEPS_PER_EXECUTION = _option(
     help="steps fused per compiled call, or auto (default)",
 )
 CHECKPOINT = _option("--checkpoint", metavar="DIR", help="save checkpoints in DIR (and resume from it)")
+CHECKPOINT_EVERY = _option("--checkpoint-every", type=positive_int, metavar="N", help="also save every N steps")
+MAX_RESTARTS = _option(
+    "--max-restarts",
+    type=restarts,
+    metavar="N",
+    default=0,
+    help="on worker processes: heal the run up to N times when a worker, parameter server or "
+    "host is lost or preempted (new processes resume from the last checkpoint; default 0)",
+)
 NAME = _option("--name", metavar="NAME", help="the run's name (unique in the run store)")
 TAGS = _option("--tags", metavar="A,B", help="the run's tags, separated by commas")
 MODE = _option("--mode", choices=("weak", "strong"), help="scaling: weak (default) or strong scaling")
@@ -121,7 +140,7 @@ BATCH_SIZE = _option(
 
 # Where a run happens, and how a training run is told apart and kept.
 WHERE = (BACKEND, REPLICAS, WORKERS, PS)
-TRAINING = (STEPS, STEPS_PER_EXECUTION, CHECKPOINT, NAME, TAGS)
+TRAINING = (STEPS, STEPS_PER_EXECUTION, CHECKPOINT, CHECKPOINT_EVERY, MAX_RESTARTS, NAME, TAGS)
 STUDY = (MODE, WARMUP, BATCH_SIZE)
 
 

@@ -34,6 +34,7 @@ class AsyncProgram(Program):
             Program(replicator, step_fn, input_fn)  # raises its clear error
         self.replicator, self.step_fn, self.input_fn = replicator, step_fn, input_fn
         self.steps_done = 0
+        self.input_position = 0  # (not kept: see fast_forward)
         self.fused_traced = False
         self.traced_variants: set = set()
         self.metric_names = None
@@ -56,6 +57,20 @@ class AsyncProgram(Program):
         self.infinite_input = _is_infinite(call_input_fn(input_fn, ctx))
         self._one_step = t.function(self._one_step_graph)
         self._fused = t.function(self._fused_graph)
+
+    def trace(self) -> None:
+        """Nothing before the first scheduled chunk: tracing here would need a worker's iterator,
+        and the coordinator's wrapped optimizers are built when that chunk is traced."""
+
+    def fast_forward(self, batches: int) -> list[str]:
+        """A resumed async run starts each worker's input from its first batch: its workers take
+        batches in no fixed order, so no position would make it the run it continues."""
+        if not batches:
+            return []
+        return [
+            "async-ps resumes the variables and the step count; each worker's input starts again "
+            "from its first batch (asynchronous workers take batches in no fixed order)"
+        ]
 
     def _one_step_graph(self, iterator):
         t = tf()
@@ -108,7 +123,7 @@ class CoordinatorExecutor:
             addresses = self.repl.worker_addresses
             self.watch = WorkerWatch({f"worker {i}": a for i, a in enumerate(addresses)}, timeout)
 
-    def agree(self, k: int, stop: bool) -> tuple[int, bool]:
+    def agree(self, k: int, stop: int) -> tuple[int, int]:
         return k, stop
 
     def submit(self, k: int):

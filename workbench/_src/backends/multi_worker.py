@@ -22,6 +22,7 @@ import tempfile
 from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
+from workbench._src.core.run import NO_STOP, PREEMPT, STOP
 from workbench._src.core.tf_setup import physical_gpu_count, tf
 from workbench._src.launch import runtime
 from workbench._src.launch.launcher import Task
@@ -181,6 +182,7 @@ class MultiWorkerReplicator(ProcessBackend):
             self._resolver  # noqa: B018 - a wrong cluster= is an error at construction
         self._agree_fn = None
         self._scratch = None  # a non-chief worker's checkpoint folder
+        self.preempted_workers: list[int] = []  # who asked, in the last chunk agreement, to save and stop
 
     @classmethod
     def from_replicas(cls, num_replicas=None, num_workers=None, devices_per_worker=None, **kwargs):
@@ -245,7 +247,7 @@ class MultiWorkerReplicator(ProcessBackend):
             cluster_resolver=self._resolver, communication_options=options
         )
 
-    def _agree_on_chunk(self, steps: int, stop: bool) -> tuple[int, bool]:
+    def _agree_on_chunk(self, steps: int, stop: int) -> tuple[int, int]:
         if self.num_workers == 1:
             return steps, stop
         t = tf()
@@ -258,11 +260,23 @@ class MultiWorkerReplicator(ProcessBackend):
                 return t.distribute.get_replica_context().all_reduce("sum", t.identity(values))
 
             self._agree_fn = t.function(lambda values: strategy.run(replica_fn, args=(values,)))
-        # The chief proposes the chunk length; any worker may ask to stop.
-        mine = t.constant([1.0 if stop else 0.0, float(steps) if self.worker_id == 0 else 0.0])
+        # The chief proposes the chunk length; any worker may ask to stop, or to save and stop
+        # for a preemption (run.PREEMPT: the most urgent kind wins).
+        # A preempted worker adds 2**worker_id, so the others can name it (exact in float32 up
+        # to 24 workers; past that they say only that one was).
+        mine = t.constant(
+            [
+                1.0 if stop else 0.0,
+                float(steps) if self.worker_id == 0 else 0.0,
+                float(2**self.worker_id) if stop == PREEMPT and self.worker_id < 24 else 0.0,
+            ]
+        )
         total = strategy.experimental_local_results(self._agree_fn(mine))[0].numpy()
         per_worker = strategy.num_replicas_in_sync / self.num_workers  # each local replica adds once
-        return int(round(total[1] / per_worker)), bool(total[0] > 0)
+        preempted = int(round(total[2] / per_worker))
+        self.preempted_workers = [i for i in range(min(self.num_workers, 24)) if preempted >> i & 1]
+        kind = PREEMPT if preempted or (stop == PREEMPT) else STOP if total[0] > 0 else NO_STOP
+        return int(round(total[1] / per_worker)), kind
 
     def _checkpoint_write_directory(self, directory: str) -> str:
         # Every worker saves (the save is collective) but only the chief's copy is kept: the

@@ -71,6 +71,18 @@ class BreakdownRecorder:
         self.unpublished = False
         self.collective_bytes = 0  # per replica and step (step_clock.CollectiveTimer.bytes)
 
+    def run_chunk(self, program, k: int):
+        """Runs a chunk of `program` (timed when the sample wants one) and records it."""
+        # The first call compiles (untimed; it traces the timed variant too: Program.run_fused);
+        # a variant's first run instantiates it: neither is a step's time.
+        timed = bool(program.traced_variants) and self.wants_sample()
+        traces = timed not in program.executed_variants
+        began = time.time()  # the wall clock, as the loop's tf.timestamp readings
+        result = program.run_fused(k, timed=timed)
+        self.chunk(began, time.time(), result[1], program.last_marks, traced=traces)
+        self.collective_bytes = program.collective_bytes
+        return result
+
     def wants_sample(self) -> bool:
         """Whether the next chunk should read the clock (keeps timed steps near SAMPLE_SHARE)."""
         return self.sampled_steps <= SAMPLE_SHARE * self.seen_steps
@@ -118,6 +130,17 @@ class BreakdownRecorder:
     def close(self) -> None:
         if self.unpublished:
             self.publish()
+
+
+def rows_diagnosis(rows: list[dict], backend: str | None) -> str:
+    """run.diagnosis(): the sentence for a run of `backend` (async backends: parameter servers)."""
+    from workbench._src.backends.registry import spec
+
+    try:
+        asynchronous = not spec(backend).synchronous
+    except Exception:  # noqa: BLE001 - a backend this process does not know: say all-reduce
+        asynchronous = False
+    return diagnosis(rows, asynchronous=asynchronous)
 
 
 def frame(rows: list[dict]):

@@ -18,11 +18,13 @@ step=step)`); both readers here recognise that layout and load it too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from workbench._src import compat
 from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.core.optimizer import ReplicatedOptimizer
+from workbench._src.core.resume import STATE_NAME, RunState
 from workbench._src.core.tf_setup import tf
 
 STEP = "step"  # the workbench's step counter entry
@@ -31,6 +33,7 @@ DEFAULT_NAME = "variables"  # the default: every variable created in repl.contex
 # Names the checkpoint's top level already uses: ours, the legacy root, TensorFlow's own counter.
 RESERVED = {
     STEP: "the workbench's exact step count (int64), saved with every checkpoint",
+    STATE_NAME: "the run state a resumed run continues from (the input's position, the run's goal)",
     LEGACY_ROOT: "where older workbench versions nested everything they saved",
     "save_counter": "tf.train.Checkpoint's own save counter",
 }
@@ -55,34 +58,64 @@ class Saver:
         self.resume = bool(resume)
         self.items = items
         self.step = t.Variable(0, dtype=t.int64, trainable=False)
-        self.step_checkpoint = t.train.Checkpoint(**self.items, **{STEP: self.step})
+        self.state = RunState()  # the input's position and the run's goal (core/resume.py)
+        self.step_checkpoint = t.train.Checkpoint(**self.items, **{STEP: self.step, STATE_NAME: self.state.trackable})
         self.manager = t.train.CheckpointManager(
             self.step_checkpoint, os.fspath(write_directory or directory), max_to_keep=3
         )
+        # What the run loop is training towards: saved so that a resumed run given the same
+        # steps finishes this one (0: nothing unfinished, e.g. once the run has finished).
+        self.goal_step = 0
+        self.asked_steps = 0
+        self._saved = None  # (step, goal) of the last save
 
-    def restore_if_any(self) -> int | None:
+    def restore_if_any(self) -> Restored | None:
         """Restores the latest checkpoint (either layout) when resume=True and this program has not
-        stepped yet; returns the step it was saved at, else None."""
+        stepped yet, with the input fast-forwarded to where it was; else None."""
         if not self.resume or self.program.steps_done:
             return None
         latest = tf().train.latest_checkpoint(self.directory)
         if not latest:
             return None
-        _reader_for(latest, self.items, self.step).restore(latest)
-        self.program.steps_done = int(self.step.numpy())
-        return self.program.steps_done
+        _reader_for(latest, self.items, self.step, self.state).restore(latest).expect_partial()
+        step = int(self.step.numpy())
+        position, goal, asked = self.state.read()
+        if not position and STATE_NAME not in saved_names(latest):
+            position = step  # saved before the run state existed: one batch per step
+        self.program.steps_done = step
+        notes = self.program.fast_forward(position)
+        self._saved = (step, goal)
+        return Restored(step, position, goal, asked, notes)
 
     def save(self) -> str | None:
-        if self.manager.latest_checkpoint and self.step.numpy() == self.program.steps_done:
+        mark = (self.program.steps_done, self.goal_step)
+        if self.manager.latest_checkpoint and self._saved == mark:
             return None  # nothing new since the last save
         self.step.assign(self.program.steps_done)
-        return self.manager.save(checkpoint_number=self.program.steps_done)
+        self.state.set(self.program.input_position, self.goal_step, self.asked_steps)
+        path = self.manager.save(checkpoint_number=self.program.steps_done)
+        self._saved = mark
+        return path
 
 
-def named_items(replicator, items) -> dict:
-    """What a checkpoint saves, by top-level name; refuses names the layout already uses."""
+@dataclasses.dataclass
+class Restored:
+    """What a resumed run continues from: the step, the input's position (batches), the goal and
+    steps of the run that saved it (0, 0 when it had finished), and why the input may not
+    resume exactly ([] when it does)."""
+
+    step: int
+    input_position: int
+    goal_step: int
+    asked_steps: int
+    notes: list
+
+
+def named_items(replicator, items, variables: list | None = None) -> dict:
+    """What a checkpoint saves, by top-level name; refuses names the layout already uses.
+    Default: `variables`, else every variable created in the replicator's context, in order."""
     if items is None:
-        return {DEFAULT_NAME: list(replicator._created_variables)}
+        return {DEFAULT_NAME: list(replicator._created_variables if variables is None else variables)}
     if isinstance(items, tf().train.Checkpoint):
         # Its own children (what it was built with), without its private save counter.
         items = {k: v for k, v in compat.checkpoint_children(items).items() if k != "save_counter"}
@@ -121,12 +154,14 @@ def is_legacy(path: str) -> bool:
     return LEGACY_ROOT in saved_names(path)
 
 
-def _reader_for(path: str, items: dict, step):
-    """The tf.train.Checkpoint that reads `path` into `items` and `step`, for either layout."""
+def _reader_for(path: str, items: dict, step, state: RunState | None = None):
+    """The tf.train.Checkpoint that reads `path` into `items` and `step` (and the run state, when
+    given and saved), for either layout."""
     t = tf()
     if is_legacy(path):
         return t.train.Checkpoint(**{LEGACY_ROOT: t.train.Checkpoint(**items), STEP: step})
-    return t.train.Checkpoint(**items, **{STEP: step})
+    extra = {STATE_NAME: state.trackable} if state is not None else {}
+    return t.train.Checkpoint(**items, **{STEP: step}, **extra)
 
 
 def restore_latest(replicator, directory, items=None) -> int:

@@ -41,12 +41,16 @@ class WorkerError(WorkbenchError, RuntimeError):
     """A process of a multi-process run died, froze, failed or never started.
 
     `task` names it ("worker 1", "ps 0"); `run` holds the run's history up to the failure.
+    `cause` says in a few words how a member was lost ("killed by SIGKILL", "frozen"), and is
+    None when no member was lost (an error in the run's own code): only a lost member is healed
+    by `max_restarts`, since a mistake would only happen again.
     """
 
-    def __init__(self, message: str, task: str | None = None, run=None):
+    def __init__(self, message: str, task: str | None = None, run=None, cause: str | None = None):
         super().__init__(message)
         self.task = task
         self.run = run
+        self.cause = cause
 
 
 def check_positive_int(name: str, value, fix: str | None = None) -> int:

@@ -96,7 +96,9 @@ def as_dataset(result: Any, where: str = "input_fn"):
         return result
     if callable(result):
         # A callable producing nested tensors (e.g. a replay-buffer dequeue): an endless pipeline.
-        return t.data.Dataset.from_tensors(0).repeat().map(lambda _: result())
+        dataset = t.data.Dataset.from_tensors(0).repeat().map(lambda _: result())
+        dataset._workbench_from_callable = True  # a resumed run must not skip through it (resume.py)
+        return dataset
     raise InputError(
         f"{where} must return a tf.data.Dataset or a callable that returns nested tensors; it "
         f"returned {type(result).__module__}.{type(result).__qualname__}. Fix: e.g. "
@@ -120,8 +122,16 @@ def distribute_input(
     input_split_fn: Callable | None,
     num_workers: int = 1,
     worker_id: int = 0,
+    skip: int = 0,
+    notes: list | None = None,
 ):
-    """Returns a tf.distribute distributed dataset fed by input_fn under `strategy`."""
+    """Returns a tf.distribute distributed dataset fed by input_fn under `strategy`.
+
+    skip: batches each pipeline passes over first (a resumed run fast-forwards its input to where
+    the checkpoint left it: core/resume.py). Applied to what input_fn returns, before the split,
+    so every worker and replica skips the same steps' batches; `notes` collects why that may
+    not reproduce them exactly.
+    """
     t = tf()
     if not isinstance(replication, InputReplication):
         raise InputError(
@@ -133,7 +143,7 @@ def distribute_input(
 
     if replication is InputReplication.PER_WORKER and input_split_fn is None:
         ctx = InputContext(None, num_replicas, worker_id, num_workers, local)
-        dataset = call_input_fn(input_fn, ctx)
+        dataset = _skipped(call_input_fn(input_fn, ctx), skip, notes)
         # Every worker's pipeline yields global batches; tf.distribute cuts each into
         # num_replicas parts and keeps this worker's (data auto-sharding), so it must divide.
         dataset = _check_even_split(dataset, num_replicas)
@@ -144,7 +154,11 @@ def distribute_input(
         wid = tf_ctx.input_pipeline_id
         if replication is InputReplication.PER_REPLICA:
             pipelines = [
-                call_input_fn(input_fn, InputContext(wid * local + i, num_replicas, wid, num_workers, local))
+                _skipped(
+                    call_input_fn(input_fn, InputContext(wid * local + i, num_replicas, wid, num_workers, local)),
+                    skip,
+                    notes,
+                )
                 for i in range(local)
             ]
             if local == 1:
@@ -153,13 +167,27 @@ def distribute_input(
             # turn, so interleaving round-robin gives replica i exactly pipeline i's batches.
             order = t.data.Dataset.range(local).repeat()
             return t.data.Dataset.choose_from_datasets(pipelines, order)
-        dataset = call_input_fn(input_fn, InputContext(None, num_replicas, wid, num_workers, local))
+        dataset = _skipped(call_input_fn(input_fn, InputContext(None, num_replicas, wid, num_workers, local)), skip, notes)
         # As with the default split: the pipeline yields global batches, cut into one part per
         # replica of the run; this worker keeps its replicas' parts (all of them on one machine).
         split = functools.partial(_split_to_elements, input_split_fn, num_replicas, wid * local, local)
         return dataset.flat_map(split)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def _skipped(dataset, batches: int, notes: list | None):
+    """The dataset without its first `batches` elements (one element: one step's batch); what
+    stands in the way of an exact resume is added to `notes` (resume.pipeline_notes)."""
+    if not batches:
+        return dataset
+    from workbench._src.core.resume import pipeline_notes
+
+    if notes is not None:
+        notes.extend(n for n in pipeline_notes(dataset) if n not in notes)
+    if getattr(dataset, "_workbench_from_callable", False):
+        return dataset  # (skipping would call it `batches` times for nothing)
+    return dataset.skip(batches)
 
 
 def _split_to_elements(input_split_fn, n, first, count, *batch):

@@ -51,22 +51,9 @@ class Program:
         self.replicator = replicator
         self.step_fn = step_fn
         self.input_fn = input_fn
-        strategy = replicator.strategy
-        self.dataset = distribute_input(
-            strategy,
-            input_fn,
-            replicator.input_replication,
-            replicator.input_split_fn,
-            num_workers=replicator.num_workers,
-            worker_id=replicator.worker_id,
-        )
-        self.infinite_input = _is_infinite(self.dataset)
-        with _no_cyclic_gc():  # (a collection here could free an old iterator on this thread)
-            self.iterator = iter(self.dataset)
-        # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
-        # (reaper.py): the reaper deletes it when this program is garbage.
-        reaper.adopt(self)
+        self._open_input(skip=0)
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
+        self.input_position = 0  # batches its input has given (restored: where a checkpoint left it)
         self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
         self.traced_variants: set = set()  # timing on/off: each is its own trace
         self.executed_variants: set = set()  # run at least once (the first run instantiates it)
@@ -74,6 +61,35 @@ class Program:
         t = tf()
         self._one_step = t.function(self._one_step_graph)
         self._fused = t.function(self._fused_graph)
+
+    def _open_input(self, skip: int, notes: list | None = None) -> None:
+        replicator = self.replicator
+        self.dataset = distribute_input(
+            replicator.strategy,
+            self.input_fn,
+            replicator.input_replication,
+            replicator.input_split_fn,
+            num_workers=replicator.num_workers,
+            worker_id=replicator.worker_id,
+            skip=skip,
+            notes=notes,
+        )
+        self.infinite_input = _is_infinite(self.dataset)
+        with _no_cyclic_gc():  # (a collection here could free an old iterator on this thread)
+            self.iterator = iter(self.dataset)
+        # Deleting an idle distributed iterator waits 10-40 s for tf.data's autotuning thread
+        # (reaper.py): the reaper deletes it when this program is garbage.
+        reaper.adopt(self)
+
+    def fast_forward(self, batches: int) -> list[str]:
+        """Re-opens the input `batches` batches in (a resumed run continues the data where its
+        checkpoint left it: core/resume.py); returns why that may not be exact ([] if it is)."""
+        notes: list[str] = []
+        if batches:
+            reaper.discard_programs([self])  # the unused iterator goes on the reaper thread
+            self._open_input(skip=batches, notes=notes)
+        self.input_position = batches
+        return notes
 
     # ----- what step_fn sees --------------------------------------------------------------
     def call_step_fn(self, batch):
@@ -212,6 +228,12 @@ class Program:
 
     # ----- host side ----------------------------------------------------------------------
 
+    def trace(self) -> None:
+        """Traces the fused loop without running a step: wrapped optimizers build their slot
+        variables while it traces (the first real call reuses the trace)."""
+        t = tf()
+        call_compiled(lambda it, n: self._fused.get_concrete_function(it, n), self.iterator, t.constant(1))
+
     def run_one(self) -> list:
         t = tf()
         try:
@@ -224,6 +246,7 @@ class Program:
         except t.errors.InvalidArgumentError as e:
             raise _translated(e) from None
         self.steps_done += 1
+        self.input_position += 1
         return list(self.replicator.strategy.experimental_local_results(out))
 
     def run_fused(self, n: int, timed: bool = False) -> tuple[np.ndarray, int]:
@@ -250,6 +273,7 @@ class Program:
         done = int(done)
         self.last_marks = out[2].numpy()[:done] if timed else None
         self.steps_done += done
+        self.input_position += done
         return rows.numpy()[:done], done
 
 

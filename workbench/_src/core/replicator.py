@@ -246,6 +246,7 @@ class Replicator:
             background, sinks, name).
         """
         self._check_train_arguments(step_fn, input_fn, setup)
+        first_variable = len(self._created_variables)
         if setup is not None:
             with self.context():
                 step_fn, input_fn = cells.functions_from_setup(setup(self))
@@ -253,10 +254,17 @@ class Replicator:
         program = self._program(step_fn, input_fn)
         saver = None
         if opts.checkpoint_dir:
+            if opts.checkpoint is None:
+                # The default layout lists the variables made in repl.context(): a wrapped
+                # optimizer makes its slots while the step is first traced, so trace it now, or
+                # they would be missing from the list (a resumed Adam would start from zero moments).
+                program.trace()
+            # What this setup built, not what earlier setups of this replicator built too.
+            own = self._created_variables[first_variable:] if setup is not None else None
             saver = Saver(
                 program,
                 opts.checkpoint_dir,
-                named_items(self, opts.checkpoint),
+                named_items(self, opts.checkpoint, variables=own),
                 resume=opts.resume,
                 write_directory=self._checkpoint_write_directory(opts.checkpoint_dir),
             )

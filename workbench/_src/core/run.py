@@ -101,21 +101,25 @@ def default_name(config: dict, source: str | None, started: float | None = None)
     return " \u00b7 ".join(p for p in parts if p)
 
 
-Status = str  # "created" | "running" | "finished" | "stopped" | "non-finite" | "failed"
-ENDED_STATUSES = ("finished", "stopped", "non-finite", "failed")
+Status = str  # "created" | "running" | "finished" | "stopped" | "preempted" | "non-finite" | "failed"
+ENDED_STATUSES = ("finished", "stopped", "preempted", "non-finite", "failed")
+# A stop request's kind, agreed between the processes of a run (the most urgent wins).
+NO_STOP, STOP, PREEMPT = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
     """Something that happened in a run. kind: started | metrics | checkpoint | message |
-    breakdown | renamed | ended.
+    breakdown | renamed | restart | ended.
 
     `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
     for metrics: {"rows": [ {step (from the run's start), wall_time, examples_per_sec,
     global_step (the program's), examples (this step's global batch), <metrics>}, ... ]};
     for breakdown: {"rows": [ {worker, input, compute, communication, other, step, steps}, ...
     ], "text": the diagnosis sentence} (seconds per step; core/breakdown.py);
-    for renamed: {"name", "tags"}.
+    for renamed: {"name", "tags"}; for restart (a heal, launch/heal.py): {"member", "cause",
+    "step" (the checkpoint's global step), "run_step" (the run's step the history was rewound
+    to: rows after it are dropped and come again), "lost_at", "seconds"}.
     """
 
     kind: str
@@ -171,6 +175,9 @@ class Run:
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
         self._interrupted = False  # the stop came from Ctrl-C / a kernel interrupt
+        self._preempted: str | None = None  # why the run is being preempted (e.g. "SIGTERM")
+        # One dict per heal of a run with max_restarts: member, cause, step, seconds.
+        self.restarts: list[dict] = []
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -185,44 +192,33 @@ class Run:
             return pd.DataFrame({k: list(v) for k, v in self._columns.items()})
 
     def breakdown(self):
-        """Where a step's time goes: a DataFrame with one row per worker (one in process).
-
-        Columns, in seconds per step: `input` (waiting for input_fn's pipeline), `compute`
-        (step_fn's own work), `communication` (collectives and parameter-server traffic, waiting
-        for peers included), `other` (host and Python overhead), and `step` (the measured time
-        per step, which the four parts add up to); `steps`: how many steps the figures are from
-        (the last chunks of the run). `.attrs["diagnosis"]` is run.diagnosis(). Empty when the
-        run was trained with breakdown=False or has not finished a timed chunk yet.
-        """
+        """Where a step's time goes: a DataFrame, one row per worker (one in process), of
+        `input` (waiting for input_fn), `compute`, `communication` (collectives or parameter-
+        server traffic, waiting for peers included) and `other` (host and Python overhead) in
+        seconds per step, adding up to `step` (measured); `steps`: the sample's size. Empty with
+        breakdown=False or before a timed chunk. `.attrs["diagnosis"]`: run.diagnosis()."""
         from workbench._src.core import breakdown
 
-        with self._lock:
-            rows = [dict(r) for _, r in sorted(self._breakdown.items())]
-        table = breakdown.frame(rows)
+        table = breakdown.frame(self._breakdown_rows())
         table.attrs["diagnosis"] = self.diagnosis()
         return table
 
     def diagnosis(self) -> str:
         """One sentence from breakdown(): what dominates a step and the likely fix, e.g.
         "input-bound: 62% of each step waits for input_fn; add .prefetch(tf.data.AUTOTUNE) ..."."""
-        from workbench._src.backends.registry import spec
         from workbench._src.core import breakdown
 
-        with self._lock:
-            rows = [dict(r) for _, r in sorted(self._breakdown.items())]
-        try:
-            asynchronous = not spec(self.config.get("backend")).synchronous
-        except Exception:  # noqa: BLE001 - a backend this process does not know: say all-reduce
-            asynchronous = False
-        return breakdown.diagnosis(rows, asynchronous=asynchronous)
+        return breakdown.rows_diagnosis(self._breakdown_rows(), self.config.get("backend"))
 
     def record_breakdown(self, row: dict) -> None:
-        """Keeps a worker's latest breakdown row and publishes a "breakdown" event with every
-        worker's row and the diagnosis (the executor, or the launcher relaying workers, call it)."""
+        """Keeps a worker's latest breakdown row; publishes "breakdown" (all rows, the sentence)."""
         with self._lock:
             self._breakdown[int(row.get("worker", 0))] = dict(row)
-            rows = [dict(r) for _, r in sorted(self._breakdown.items())]
-        self.publish("breakdown", rows=rows, text=self.diagnosis())
+        self.publish("breakdown", rows=self._breakdown_rows(), text=self.diagnosis())
+
+    def _breakdown_rows(self) -> list[dict]:
+        with self._lock:
+            return [dict(r) for _, r in sorted(self._breakdown.items())]
 
     @property
     def steps(self) -> int:
@@ -272,6 +268,20 @@ class Run:
         stop_reason says it was interrupted."""
         self._interrupted = True
         return self.stop()
+
+    def preempt(self, cause: str = "SIGTERM") -> Run:
+        """A preemption (SIGTERM from a scheduler or cluster manager): the run saves at the next
+        step boundary and ends "preempted"; run again with the same steps, it finishes the run
+        it began (core/resume.py)."""
+        self._preempted = cause
+        return self.stop()
+
+    @property
+    def stop_kind(self) -> int:
+        """NO_STOP, STOP or PREEMPT: what the run was asked to do at its next step boundary."""
+        if self._preempted:
+            return PREEMPT
+        return STOP if self._stop.is_set() else NO_STOP
 
     def stopped_reason(self, step: int) -> str:
         """The stop_reason of a run stopped at `step`: 'interrupted at step N' or 'stopped at step N'."""
@@ -342,6 +352,15 @@ class Run:
                     column.append(row.get(key, float("nan")))
                 self._rows += 1
         self.publish("metrics", rows=rows)
+
+    def _rewind(self, steps: int) -> None:
+        """Keeps the first `steps` rows (a healed run goes on from its checkpoint's step: the rows
+        after it are trained again, not kept twice). Sinks learn it from the "restart" event."""
+        with self._lock:
+            steps = max(0, min(steps, self._rows))
+            for column in self._columns.values():
+                del column[steps:]
+            self._rows = steps
 
     def rename(self, name: str) -> None:
         """Sets the name shown everywhere (wb.rename_run also renames it in the run store)."""

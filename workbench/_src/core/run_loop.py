@@ -21,6 +21,7 @@ of a second.
 from __future__ import annotations
 
 import collections
+import os
 import signal
 import threading
 import time
@@ -32,7 +33,8 @@ from workbench._src.core.breakdown import BreakdownRecorder
 from workbench._src.core.checkpoints import with_checkpoint_hint
 from workbench._src.core.errors import InputError, NonFiniteError
 from workbench._src.core.nonfinite import first_nonfinite, rows_until_nonfinite
-from workbench._src.core.run import Run
+from workbench._src.core.resume import steps_to_run
+from workbench._src.core.run import NO_STOP, PREEMPT, Run
 from workbench._src.core.run_options import RunOptions
 from workbench._src.sinks import attach_default_sinks
 
@@ -113,7 +115,8 @@ class Executor(Protocol):
     replicas_per_step: int  # metric rows arrive summed over this many replicas
 
     def start(self, run: Run) -> None: ...
-    def agree(self, k: int, stop: bool) -> tuple[int, bool]: ...  # one k and stop for all processes
+    # One k and stop kind (run.NO_STOP / STOP / PREEMPT: the most urgent wins) for all processes.
+    def agree(self, k: int, stop: int) -> tuple[int, int]: ...
     def submit(self, k: int): ...  # starts a chunk of k steps; returns a handle
     def collect(self, handle): ...  # (rows, steps run), or None when lost with a dead worker
     def parallelism(self) -> int: ...
@@ -123,7 +126,7 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def no_agreement(k: int, stop: bool) -> tuple[int, bool]:
+def no_agreement(k: int, stop: int) -> tuple[int, int]:
     return k, stop
 
 
@@ -138,28 +141,20 @@ class InProcessExecutor:
     max_in_flight = 1
     rate_window_seconds = 0.0  # each chunk's own time gives its throughput
 
-    def __init__(self, program, agree: Callable[[int, bool], tuple[int, bool]] = no_agreement):
+    def __init__(self, program, agree: Callable[[int, int], tuple[int, int]] = no_agreement):
         self.program = program
         self.agree = agree
         self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
-        self.breakdown = None  # a BreakdownRecorder while a timed run goes
+        self.breakdown = None  # a BreakdownRecorder while a run with breakdown=True goes
 
     def start(self, run) -> None:
         if self.program.timing and self.program.can_time:
             self.breakdown = BreakdownRecorder(run, worker=self.program.replicator.worker_id)
 
     def submit(self, k: int):
-        recorder = self.breakdown
-        # The first call compiles (untimed; it traces the timed variant too: Program.run_fused);
-        # a variant's first run instantiates it: neither is a step's time.
-        timed = recorder is not None and bool(self.program.traced_variants) and recorder.wants_sample()
-        traces = timed not in self.program.executed_variants
-        began = time.time()  # the wall clock, as the loop's tf.timestamp readings
-        result = self.program.run_fused(k, timed=timed)  # runs now; program.steps_done advances
-        if recorder is not None:
-            recorder.chunk(began, time.time(), result[1], self.program.last_marks, traced=traces)
-            recorder.collective_bytes = self.program.collective_bytes
-        return result
+        if self.breakdown is not None:  # a sample of chunks reads the clock (core/breakdown.py)
+            return self.breakdown.run_chunk(self.program, k)
+        return self.program.run_fused(k)  # runs now; program.steps_done advances
 
     def collect(self, handle):
         return handle
@@ -191,40 +186,64 @@ class ChunkLoop:
         self.fixed_k = None if opts.steps_per_execution == "auto" else opts.steps_per_execution
         self.reduce = opts.reduce or {}
         self.recent: collections.deque = collections.deque()  # (time, examples) for windowed rates
+        self.steps = opts.steps  # fewer when a resumed run finishes the run it continues
 
     def execute(self, run: Run) -> tuple[str, str | None]:
         try:
-            self._restore()
+            restored = self._restore()
             self._warm_up()
+            if self.opts.max_restarts and not restored:
+                # A run that heals itself keeps its start too: a member lost before the first
+                # periodic save resumes from here, not from weights the setup builds again.
+                self._save()
             self.run.publish(
-                "started", name=self.run.name, config=self.run.config, first_step=self.program.steps_done + 1
+                "started",
+                name=self.run.name,
+                config=self.run.config,
+                first_step=self.program.steps_done + 1,
+                steps=self.steps,  # (fewer than asked when it finishes a resumed run)
             )
             status, reason = self._loop()
         except BaseException as error:  # noqa: BLE001 - save what we have, then fail the run
             error = self.executor.explain(error)
-            if self.executor.healthy():
+            # A save now holds whatever the failed chunk had applied before it failed, under the
+            # step count before it: a run that heals itself resumes from its last clean one.
+            if self.executor.healthy() and not self.opts.max_restarts:
                 self._save(final=True, failing=True)
             raise with_checkpoint_hint(error, self.saver) from None
         finally:
             self.executor.close()
         if self.saver and status != "non-finite":
+            if status != "preempted":  # (a preempted run's checkpoint keeps its goal: it is resumed)
+                self.saver.goal_step = 0
             self._save(final=True)
         return status, reason
 
-    def _restore(self) -> None:
+    def _restore(self) -> bool:
+        """Restores the latest checkpoint when there is one to resume; True if it did."""
         run, saver = self.run, self.saver
         self.executor.start(run)
-        if saver:
-            restored = saver.restore_if_any()
-            if restored is not None:
-                run.publish("message", text=f"resumed from checkpoint at step {restored}: {saver.directory}")
+        if not saver:
+            return False
+        restored = saver.restore_if_any()
+        if restored is None:
+            return False
+        run.publish("message", text=f"resumed from checkpoint at step {restored.step}: {saver.directory}")
+        for note in restored.notes:  # said once, where the resume happens
+            warnings.warn(f"{run.name}: {note}.", RuntimeWarning, stacklevel=2)
+            run.publish("message", text=note)
+        self.steps, said = steps_to_run(self.opts.steps, restored.step, restored.goal_step, restored.asked_steps)
+        if said:
+            run.config["steps"] = self.steps
+            run.publish("message", text=said)
+        return True
 
     def _warm_up(self) -> None:
         """`opts.warmup` steps before the recorded ones: the first call (one step) traces and is
         timed as compile_seconds; the rest run in one chunk. Workers agree on both, as always."""
         remaining, first = self.opts.warmup, True
         while remaining:
-            k, _ = self.executor.agree(1 if first else remaining, False)
+            k, _ = self.executor.agree(1 if first else remaining, NO_STOP)
             started = time.perf_counter()
             result = self.executor.collect(self.executor.submit(k))
             if result is None:  # lost with a dead worker: run it again
@@ -242,7 +261,9 @@ class ChunkLoop:
     def _loop(self) -> tuple[str, str | None]:
         run, program, executor = self.run, self.program, self.executor
         first_step = program.steps_done
-        target = first_step + self.opts.steps
+        target = first_step + self.steps
+        if self.saver:  # a checkpoint says what this run is training towards (core/resume.py)
+            self.saver.goal_step, self.saver.asked_steps = target, self.opts.steps
         scheduled = first_step
         in_flight: collections.deque = collections.deque()  # (handle, chunk, submitted at)
         k = self.fixed_k or 1
@@ -259,8 +280,12 @@ class ChunkLoop:
                 chunk = min(k, target - scheduled, self._steps_to_next_checkpoint(scheduled))
                 # The stop request goes through the agreement too: every worker of a multi-worker
                 # run must make the same number of agreements and stop at the same step.
-                chunk, stopping = executor.agree(chunk, run.stop_requested)
+                chunk, stop_kind = executor.agree(chunk, run.stop_kind)
+                stopping = stop_kind != NO_STOP
                 if stopping:
+                    if stop_kind == PREEMPT and not run._preempted:
+                        who = getattr(program.replicator, "preempted_workers", None)
+                        run.preempt(f"worker {who[0]} was preempted" if who else "another process was preempted")
                     run.stop()  # (another worker may have asked: stop here too)
                     break
                 submitted = time.perf_counter()  # before: an in-process submit runs the chunk
@@ -316,6 +341,8 @@ class ChunkLoop:
                 and program.steps_done % self.opts.checkpoint_every == 0
                 and status != "non-finite"  # (never save the non-finite weights)
             ):
+                if program.steps_done >= target:  # the goal is reached: nothing left unfinished
+                    self.saver.goal_step = 0
                 self._save()
             if self.fixed_k is None and not first_call and done:
                 if executor.max_in_flight > 1:
@@ -337,6 +364,16 @@ class ChunkLoop:
             first_call = False
         if status == "finished" and not reason and stopping and program.steps_done < target:
             status, reason = "stopped", run.stopped_reason(program.steps_done - first_step)
+            if run._preempted:
+                status = "preempted"
+                reason = (
+                    f"preempted at step {program.steps_done - first_step} ({run._preempted})"
+                    + (
+                        "; its checkpoint keeps the run's goal: run it again with the same steps to finish it"
+                        if self.saver
+                        else "; no checkpoint_dir was given, so nothing was saved"
+                    )
+                )
         return status, reason
 
     def _exhausted(self, ran: int) -> str:
@@ -435,4 +472,51 @@ class _stop_on_sigint:
     def __exit__(self, *exc):
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
+        return False
+
+
+class PreemptOnSigterm:
+    """While a run goes: SIGTERM (a cluster manager or scheduler about to take the machine, a
+    `kill`) asks it to save at the next step boundary and end "preempted", as TensorFlow's
+    PreemptionCheckpointHandler does; the other processes of a multi-worker run learn it at that
+    boundary (the chunk agreement) and save with it. A second SIGTERM ends the process as usual.
+
+    A context manager installing the handler (only in the main thread: Ray runs actor calls in
+    others), and a sink: given no run, it takes the first run whose event it receives (a
+    script's foreground run, which exists only once train() has started).
+    """
+
+    sink_name = "the SIGTERM handler"
+
+    def __init__(self, cause: str = "SIGTERM", run: Run | None = None):
+        self.cause, self.run = cause, run
+        self.pending = False  # SIGTERM came before the run existed
+        self.previous = None
+
+    def send(self, event) -> None:
+        if self.run is None:
+            from workbench._src.core.run import live_run
+
+            self.run = live_run(event.run_id)
+            if self.pending and self.run is not None:
+                self.run.preempt(self.cause)
+
+    def _handle(self, signum, frame) -> None:
+        if self.pending or (self.run is not None and self.run._preempted):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the second: end as if we were not here
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.pending = True
+        if self.run is not None:
+            self.run.preempt(self.cause)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
         return False

@@ -38,6 +38,11 @@ class RunOptions:
       hparams: the run's hyperparameters, e.g. {"lr": 1e-3}: columns of wb.runs().
       breakdown: read the clock inside every step so run.breakdown() can say where the time
         goes (input, compute, communication, other); costs well under 3% of throughput.
+      max_restarts: on worker processes (multi-worker, async-ps), how many times the run heals
+        itself when a member is lost (killed, frozen, its host gone) or preempted: new processes,
+        then the latest checkpoint restored, and training goes on (launch/heal.py; the record is
+        `run.restarts`). Without checkpoint_dir a temporary folder holds the checkpoints; without
+        checkpoint_every the run saves every 100 steps. In one process there is nothing to heal.
     """
 
     steps: int
@@ -55,6 +60,7 @@ class RunOptions:
     tags: tuple = ()
     hparams: dict | None = None
     breakdown: bool = True
+    max_restarts: int = 0
 
     def __post_init__(self):
         steps = self.steps
@@ -83,6 +89,11 @@ class RunOptions:
         if not isinstance(self.breakdown, bool):
             raise ConfigurationError(
                 f"breakdown must be True or False; received breakdown={self.breakdown!r}."
+            )
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise ConfigurationError(
+                f"max_restarts must be an integer >= 0 (heals of a run on worker processes); received "
+                f"max_restarts={self.max_restarts!r}. Fix: e.g. max_restarts=3."
             )
         if not isinstance(self.resume, bool):
             raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
@@ -121,6 +132,7 @@ class RunOptions:
             "on_nonfinite",
             "warmup",
             "breakdown",
+            "max_restarts",  # (a healing run saves at its start: core/run_loop.py)
         )
         return {k: getattr(self, k) for k in keep}
 

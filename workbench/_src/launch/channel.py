@@ -161,19 +161,20 @@ class LinkInbox:
     def open_inbox(self) -> None:
         self.on_stop = None
         self.current_run = None  # the run number of the work being done (stops name theirs)
-        self.stop_pending = False  # this run's stop came before its run loop started
+        self.stop_pending = False  # this run's stop came before its run loop started (a preempt: its cause)
         self._inbox: queue.Queue = queue.Queue()
 
     def receive(self, message: dict | None) -> None:
-        """One message from the launcher; None: the launcher is gone."""
+        """One message from the launcher; None: the launcher is gone. A stop's "preempt" names
+        the cause when the launcher itself was preempted (every member then saves and stops)."""
         if message is not None and message.get("type") == "stop":
             if message.get("run") != self.current_run:
                 return  # a late stop of a run that has ended: not for this one
             callback = self.on_stop
             if callback is not None:
-                callback()
+                callback(message.get("preempt"))
             else:
-                self.stop_pending = True
+                self.stop_pending = message.get("preempt") or True
         else:
             self._inbox.put(message)
 

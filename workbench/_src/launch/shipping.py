@@ -16,6 +16,7 @@ Back, over the channel: {"type": "event", kind, step, data} for the run's events
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import sys
 import time
@@ -25,7 +26,9 @@ from workbench._src.core import errors
 from workbench._src.core.cells import CELL_FILENAME, execute_source, functions_defined
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
+from workbench._src.core.run_loop import PreemptOnSigterm
 from workbench._src.core.tf_setup import tf
+from workbench._src.launch.processes import TASK_ENV
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
@@ -57,13 +60,18 @@ class TrainWork:
             self.step_fn, self.input_fn, self.steps, setup=setup,
             background=True, sinks=[forward], **self.options,
         )  # fmt: skip
-        # The launcher's stop requests (run.stop(), the Stop button, an interrupt) come through
-        # the link's one reader (channel.ParentLink.start_reader), for this run only.
-        link.on_stop = run.stop
+        # The launcher's stop requests (run.stop(), the Stop button, an interrupt, its own
+        # preemption) come through the link's one reader (channel.ParentLink.start_reader), for
+        # this run only.
+        def stop(preempt=None):
+            run.preempt(preempt) if preempt else run.stop()
+
+        link.on_stop = stop
         if link.stop_pending:
-            run.stop()
+            stop(link.stop_pending if isinstance(link.stop_pending, str) else None)
         try:
-            run._done.wait()
+            with PreemptOnSigterm(f"SIGTERM to {_task_label(repl)}", run):
+                run._done.wait()
         finally:
             link.on_stop = None
         if run.status == "failed":
@@ -78,6 +86,11 @@ class TrainWork:
             "build_seconds": timing.get("build_seconds"),
             "executed_steps": getattr(run, "executed_steps", None),
         }
+
+
+def _task_label(repl) -> str:
+    task = os.environ.get(TASK_ENV, "")
+    return task.replace(":", " ") if task else f"worker {repl.worker_id}"
 
 
 class _TimedSetup:

@@ -209,6 +209,8 @@ def train(
     background: bool = False,
     live: bool = True,
     checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    max_restarts: int = 0,
     logdir: str | None = None,
     dashboard=None,
     cell: str | None = None,
@@ -228,6 +230,7 @@ def train(
       cell, namespace: a %%replicate cell's source and the notebook namespace, for backends
         whose steps run in other processes (multi-worker): the source travels, not functions.
       name, tags: the run's name (unique in the run store) and tags (`--name`, `--tags`).
+      checkpoint_every, max_restarts: as repl.train's (`--checkpoint-every`, `--max-restarts`).
     """
 
     runstore.install()
@@ -239,6 +242,8 @@ def train(
             options = dict(
                 steps_per_execution=steps_per_execution,
                 checkpoint_dir=checkpoint_dir,
+                checkpoint_every=checkpoint_every,
+                max_restarts=max_restarts,
                 background=background,
                 sinks=sinks,
                 name=name,

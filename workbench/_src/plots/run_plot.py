@@ -48,6 +48,13 @@ class History:
                     column.append(row.get(key, math.nan))
                 self._n += 1
 
+    def truncate(self, n: int) -> None:
+        """Keeps the first n rows (a healed run rewinds to its checkpoint's step)."""
+        with self._lock:
+            self._n = max(0, min(n, self._n))
+            for column in self._columns.values():
+                del column[self._n :]
+
     def __len__(self) -> int:
         return self._n
 
@@ -107,13 +114,17 @@ class Plotter:
         self._figure = None
         self._layout: tuple | None = None
         self._lines: dict = {}
+        self._marks: list = []  # the heal marks' lines of the last render
 
-    def render(self, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto") -> bytes:
+    def render(
+        self, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()
+    ) -> bytes:
         """PNG bytes of the figure for these columns.
 
         smoothing: None draws the default smoothed line (`_smooth`); a weight in [0, 1) draws
         TensorBoard's exponential moving average instead (0: the raw values). scale: one of
-        SCALES, for the metric panels (examples/s stays linear).
+        SCALES, for the metric panels (examples/s stays linear). marks: steps (from the run's
+        start) drawn as dotted vertical lines on every panel: where a healed run resumed.
         """
         _check_view(smoothing, scale)
         with _RENDER_LOCK, theme.context():
@@ -123,7 +134,16 @@ class Plotter:
                 self._build(names)
                 self._layout = layout
             self._update(columns, names, title, smoothing, scale)
+            self._mark(marks)
             return self._png()
+
+    def _mark(self, steps) -> None:
+        """Dotted vertical lines at `steps` on every panel (the previous render's removed)."""
+        for line in self._marks:
+            line.remove()
+        self._marks = [
+            ax.axvline(step, ls=":", lw=1.2, color="0.45") for ax, *_ in self._lines.values() for step in steps
+        ]
 
     def _build(self, names: list[str]) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -141,7 +161,7 @@ class Plotter:
         fig.subplots_adjust(
             left=0.09 / cols * 3 / 1.6, right=0.98, bottom=0.17 / rows, top=top, wspace=0.32, hspace=0.55
         )
-        self._lines = {}
+        self._lines, self._marks = {}, []  # (a new figure: the old marks went with the old one)
         for i, panel in enumerate(panels):
             ax = fig.add_subplot(rows, cols, i + 1)
             ax.set_title(panel, fontsize=12)
@@ -218,18 +238,18 @@ class Plotter:
 
 
 def final_png(
-    run_id: str, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto"
+    run_id: str, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()
 ) -> bytes:
     """The end-of-run figure, rendered once and shared by the run store and the dashboard.
 
-    smoothing and scale as in `Plotter.render`; the run store always draws the defaults.
+    smoothing, scale and marks as in `Plotter.render`; the run store always draws the defaults.
     """
 
-    key = (run_id, len(columns.get("step", [])), title, theme.key(), smoothing, scale)
+    key = (run_id, len(columns.get("step", [])), title, theme.key(), smoothing, scale, tuple(marks))
     with _RENDER_LOCK:
         if key in _final_cache:
             return _final_cache[key]
-    png = render(columns, title, smoothing, scale)
+    png = render(columns, title, smoothing, scale, marks)
     with _RENDER_LOCK:
         _final_cache[key] = png
         while len(_final_cache) > 4:
@@ -240,13 +260,13 @@ def final_png(
 _shared = Plotter()
 
 
-def render(columns: dict, title: str, smoothing: float | None = None, scale: str = "auto") -> bytes:
+def render(columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()) -> bytes:
     """PNG of the run figure, drawn on one figure shared by every dashboard and the run store.
 
     Building a figure costs several redraws; sharing one (under the render lock) pays that
     once per process and set of metric names instead of once per run.
     """
-    return _shared.render(columns, title, smoothing, scale)
+    return _shared.render(columns, title, smoothing, scale, marks)
 
 
 def _check_view(smoothing: float | None, scale: str) -> None:

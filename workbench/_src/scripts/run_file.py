@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -21,6 +20,7 @@ from workbench._src.core import tf_setup
 from workbench._src.core.cluster_resolver import checked_tf_config_env, cluster_resolver
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
+from workbench._src.core.run_loop import PreemptOnSigterm
 from workbench._src.core.run_stats import fmt
 from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.shipping import CellSetup
@@ -28,6 +28,10 @@ from workbench._src.notebook import session
 from workbench._src.scripts import serve_task
 from workbench._src.sinks.progress import ProgressPrinter
 from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
+
+# `workbench run`'s exit status when preempted (SIGTERM): sysexits.h's EX_TEMPFAIL, "a temporary
+# failure: try again later". Not 0 (a scheduler would take the job as done) and not 1 (failed).
+PREEMPTED_EXIT = 75
 
 
 def run_file(args) -> int:
@@ -73,9 +77,12 @@ def run_file(args) -> int:
         ships_the_file = backend.in_processes and (not args.cluster or _on_ray(args))
         if ships_the_file:
             compile(source, str(path), "exec")  # a SyntaxError shows here, before any process starts
+        # SIGTERM (a scheduler preempting the job, `kill`): every process saves at the next step
+        # boundary and the command exits PREEMPTED_EXIT; the same command then finishes the run.
+        preemption = PreemptOnSigterm("SIGTERM to workbench run")
         options = {
             "steps_per_execution": args.steps_per_execution,
-            "sinks": [ProgressPrinter(args.steps)],
+            "sinks": [ProgressPrinter(args.steps), preemption],
             "name": args.name,
             "tags": tuple(t.strip() for t in (args.tags or "").split(",") if t.strip()),
         }
@@ -83,19 +90,19 @@ def run_file(args) -> int:
             options["checkpoint_dir"] = args.checkpoint
         if args.checkpoint_every:
             options["checkpoint_every"] = args.checkpoint_every
+        if args.max_restarts:
+            options["max_restarts"] = args.max_restarts
         folder = str(path.resolve().parent)
         sys.path.insert(0, folder)  # the file's own helper modules
 
         session._set(repl, None)
         set_source(path.resolve())  # the run store names the script as the runs' source
-        # SIGTERM (a scheduler ending the job, `kill`) asks what Ctrl-C asks: stop at the next step
-        # boundary, keeping the history and the checkpoint; a second one aborts.
-        signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-        if ships_the_file:
-            setup = CellSetup(source, namespace, filename=str(path), import_paths=(folder,))
-            run = repl.train(setup=setup, steps=args.steps, **options)
-        else:
-            run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
+        with preemption:
+            if ships_the_file:
+                setup = CellSetup(source, namespace, filename=str(path), import_paths=(folder,))
+                run = repl.train(setup=setup, steps=args.steps, **options)
+            else:
+                run = repl.train_cell(source, namespace, args.steps, filename=str(path), **options)
     except Exception as e:  # noqa: BLE001 - one sentence first, the details after it
         return _report_failure(e, args)
     summary = run.summary()
@@ -110,6 +117,14 @@ def run_file(args) -> int:
         run.history.to_csv(args.history, index=False)
         summary["history_csv"] = args.history
     print(json.dumps(summary, default=str))
+    if run.status == "preempted":
+        where = f"its checkpoint is in {args.checkpoint}" if args.checkpoint else "no --checkpoint was given"
+        print(
+            f"workbench run: preempted at step {run.steps} ({where}): run the same command again to "
+            f"finish the run (exit status {PREEMPTED_EXIT}: preempted, not failed).",
+            file=sys.stderr,
+        )
+        return PREEMPTED_EXIT
     return 0 if run.status in ("finished", "stopped") else 1
 
 

@@ -112,6 +112,7 @@ class Dashboard:
         self.period = 1.0 / max_rate_hz
         self.render_budget = render_budget
         self.history = run_plot.History()
+        self.heals: list[int] = []  # steps where a healed run resumed (launch/heal.py): marked
         self.started = False
         self.status = "waiting"
         self.run_id: str | None = None
@@ -162,6 +163,9 @@ class Dashboard:
             self._start_thread()
         elif event.kind in ("message", "checkpoint"):
             self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
+        elif event.kind == "restart":  # a heal: marked on the step axis; its rows come again
+            self.history.truncate(event.data["run_step"])
+            self.heals.append(event.data["run_step"])
         elif event.kind == "renamed":
             self.name = event.data.get("name") or self.name
         elif event.kind == "breakdown":
@@ -267,7 +271,7 @@ class Dashboard:
         if final:
             has_steps = bool(columns.get("step"))
             self.png = (
-                run_plot.final_png(self.run_id or "?", columns, title, self.smoothing, self.scale)
+                run_plot.final_png(self.run_id or "?", columns, title, self.smoothing, self.scale, self.heals)
                 if has_steps
                 else None
             )
@@ -280,7 +284,7 @@ class Dashboard:
             t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
             live_title = run_plot.title_for(self.config, self.status, columns, self.name, numbers=False)
             # the header above carries the numbers
-            self.png = run_plot.render(columns, live_title, self.smoothing, self.scale)
+            self.png = run_plot.render(columns, live_title, self.smoothing, self.scale, self.heals)
             self._image.value = self.png
             self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
             self._controls.layout.display = ""

@@ -422,6 +422,11 @@ class _RunWatcher:
             self.name = event.data.get("name") or self.name
             self.group, self.warmup = study_group(self.name)
             self._send_now()
+        elif event.kind == "restart":  # a heal: the steps after its checkpoint come again
+            keep = event.data["run_step"]
+            del self._wall[keep:], self._eps[keep:], self._examples[keep:]
+            self._refigure()
+            self._send_now()
         elif event.kind == "metrics":
             self._update(event.data["rows"])
             if time.monotonic() - self._last_push >= MIN_INTERVAL:

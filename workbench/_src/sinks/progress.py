@@ -16,6 +16,11 @@ class ProgressPrinter:
         self.columns: dict[str, list] = {"wall_time": [], "examples_per_sec": []}
 
     def __call__(self, event) -> None:
+        if event.kind == "started" and event.data.get("steps") is not None:
+            self.steps = event.data["steps"]  # a resumed run that finishes its goal runs fewer
+        if event.kind == "restart":  # a heal: the steps after its checkpoint come again
+            for column in self.columns.values():
+                del column[event.data["run_step"] :]
         if event.kind == "message":
             print(f"[workbench] {event.data.get('text')}", flush=True)
         if event.kind != "metrics" or not event.data["rows"]:

@@ -147,6 +147,15 @@ class Recorder:
             self.record.update(name=event.data.get("name"), tags=list(event.data.get("tags") or []))
         elif event.kind == "checkpoint":
             self.record["last_checkpoint"] = event.data.get("path")
+        elif event.kind == "restart":  # a heal: the rows after its step come again
+            self.history.truncate(event.data["run_step"])
+            if self._flushed > event.data["run_step"]:
+                (self.path / HISTORY).unlink(missing_ok=True)
+                self._flushed = 0  # the next flush writes the file again from its first row
+            self.record.setdefault("restarts", []).append(
+                {k: event.data.get(k) for k in ("member", "cause", "step", "lost_at", "run_step")}
+            )
+            self._write_record()
         elif event.kind == "ended":
             self._finish(event)
 
@@ -174,7 +183,8 @@ class Recorder:
 
     def _write_figure(self, columns: dict, title: str) -> None:
         if columns.get("step"):
-            (self.path / FIGURE).write_bytes(run_plot.final_png(self.run_id, columns, title))
+            heals = [r["run_step"] for r in self.record.get("restarts", [])]  # marked, as live
+            (self.path / FIGURE).write_bytes(run_plot.final_png(self.run_id, columns, title, marks=heals))
 
     def _append_event(self, event: Event) -> None:
         line = json.dumps(

@@ -1,0 +1,140 @@
+"""Runs that heal themselves (issue 40): max_restarts on worker processes, preemption.
+
+A member killed, frozen or preempted mid-run: the run goes on by itself on new processes from
+its latest checkpoint, records one row per step, and ends with the weights of an uninterrupted
+run. Every test starts its own local processes and ends them; none looks at the whole machine.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+from helpers import process_pid, wait_for, wait_for_steps
+from test_resume import _assert_same_checkpoints, mlp_setup
+
+import workbench as wb
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _kill_at_row(run, role: str, index: int, row: int, sig=signal.SIGKILL) -> int:
+    """Sends `sig` to a member once the run has recorded `row` rows; returns its pid."""
+    wait_for_steps(run, row)
+    pid = process_pid(run, role, index)
+    os.kill(pid, sig)
+    return pid
+
+
+def test_a_killed_worker_heals_and_the_run_equals_an_uninterrupted_one(tmp_path):
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    run = repl.train(
+        setup=mlp_setup, steps=300, checkpoint_dir=tmp_path / "healed", checkpoint_every=50,
+        max_restarts=2, background=True, steps_per_execution=5,
+    )  # fmt: skip
+    _kill_at_row(run, "worker", 1, 120)
+    run.wait(600)
+    assert run.status == "finished", run.stop_reason
+    history = run.history
+    assert history["step"].tolist() == list(range(1, 301))  # each step once: the lost ones again
+    assert history["global_step"].tolist() == list(range(1, 301))
+    [heal] = run.restarts
+    assert heal["member"] == "worker 1" and heal["cause"] == "killed by SIGKILL"
+    assert heal["step"] in (50, 100) and heal["step"] <= heal["lost_at"]  # its last clean checkpoint
+    assert heal["seconds"] > 0
+    said = [e.data["text"] for e in run.events if e.kind == "message" and "lost (" in e.data.get("text", "")]
+    assert said == [f"worker 1 lost (killed by SIGKILL) at step {heal['lost_at']}: restarted from step {heal['step']}, {heal['seconds']:.1f} s (restart 1)"]
+
+    repl.train(setup=mlp_setup, steps=300, checkpoint_dir=tmp_path / "whole", checkpoint_every=50)
+    _assert_same_checkpoints(tmp_path / "healed", tmp_path / "whole")
+
+
+def test_a_frozen_worker_heals_without_a_checkpoint_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the run's temporary checkpoints go
+    repl = wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=3)
+    run = repl.train(setup=mlp_setup, steps=200, max_restarts=1, background=True, steps_per_execution=5)
+    frozen = _kill_at_row(run, "worker", 1, 60, signal.SIGSTOP)
+    run.wait(600)
+    assert run.status == "finished", run.stop_reason
+    assert run.history["step"].tolist() == list(range(1, 201))
+    [heal] = run.restarts
+    assert heal["member"] == "worker 1" and "no heartbeat" in heal["cause"]
+    assert heal["step"] is not None  # the start, or a checkpoint every 100 steps: never nothing
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("workbench-heal-")]  # removed
+    # The stopped process was ended with its pool, not left behind (gone, or a zombie to reap).
+    assert not Path(f"/proc/{frozen}").exists() or "zombie" in Path(f"/proc/{frozen}/status").read_text()
+
+
+def test_a_lost_parameter_server_heals_an_async_run(tmp_path):
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    run = repl.train(
+        setup=mlp_setup, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50, max_restarts=1, background=True
+    )
+    _kill_at_row(run, "ps", 0, 120)
+    run.wait(600)
+    assert run.status == "finished", run.stop_reason
+    assert run.history["step"].tolist() == list(range(1, 301))  # every step, once
+    [heal] = run.restarts
+    assert heal["member"] == "ps 0" and heal["step"] in (50, 100)
+
+
+def test_sigterm_to_a_worker_saves_and_heals_from_that_step(tmp_path):
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    run = repl.train(
+        setup=mlp_setup, steps=300, checkpoint_dir=tmp_path, checkpoint_every=100, max_restarts=1,
+        background=True, steps_per_execution=5,
+    )  # fmt: skip
+    wait_for_steps(run, 120)
+    rows_then = run.steps
+    os.kill(process_pid(run, "worker", 1), signal.SIGTERM)
+    run.wait(600)
+    assert run.status == "finished", run.stop_reason
+    assert run.history["step"].tolist() == list(range(1, 301))
+    [heal] = run.restarts
+    assert heal["cause"] == "preempted (SIGTERM)" and heal["member"] == "worker 1"
+    assert heal["step"] >= rows_then  # saved at the next step boundary: nothing was lost
+
+
+def test_when_the_restarts_run_out_the_run_fails_with_every_heal(tmp_path):
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    run = repl.train(setup=mlp_setup, steps=100_000, max_restarts=1, background=True, steps_per_execution=5)
+    first = _kill_at_row(run, "worker", 1, 40)
+    wait_for(lambda: run.restarts and run.restarts[0]["seconds"] is not None, 300, "the first heal")
+    assert process_pid(run, "worker", 1) != first  # (a new pool: its own processes)
+    os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
+    with pytest.raises(wb.WorkerError, match="worker 1") as caught:
+        run.wait(600)
+    assert len(caught.value.run.restarts) == 1 and caught.value.run.restarts[0]["member"] == "worker 1"
+
+
+def _cli(*args, cwd):
+    return subprocess.Popen(
+        [sys.executable, "-m", "workbench.cli", "run", str(REPO / "examples" / "train.py"), *args],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_workbench_run_preempted_exits_75_and_the_same_command_finishes_the_run(tmp_path):
+    line = ["--backend", "multi-worker", "--workers", "2", "--steps", "400", "--checkpoint-every", "100"]
+    first = _cli(*line, "--checkpoint", "cut", cwd=tmp_path)
+    while not (tmp_path / "cut" / "ckpt-100.index").exists():
+        assert first.poll() is None, first.communicate()
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 75, err
+    assert "preempted at step" in err and "run the same command again" in err
+
+    again = _cli(*line, "--checkpoint", "cut", cwd=tmp_path)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    assert "finishing the unfinished run of 400 steps" in out
+    assert tf.train.latest_checkpoint(str(tmp_path / "cut")).endswith("ckpt-400")
+
+    whole = _cli(*line, "--checkpoint", "whole", cwd=tmp_path)
+    assert whole.wait(timeout=300) == 0
+    whole.communicate()
+    _assert_same_checkpoints(tmp_path / "cut", tmp_path / "whole")

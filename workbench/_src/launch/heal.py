@@ -1,0 +1,133 @@
+"""Runs that heal themselves: `max_restarts` for runs on worker processes.
+
+When a member of the pool is lost (killed, frozen, its host gone) or preempted (SIGTERM), the
+run does not end: the launcher retires the pool, starts a whole new one, and the run resumes from
+its latest checkpoint (core/resume.py makes that exact: the input's position and the run's goal
+are in it). The notebook's Run goes on: its history is rewound to the checkpoint's step, so the
+stretch lost with the member is re-run, not duplicated, and `run.restarts` gets one dict per heal.
+
+Why a whole new pool rather than one new member: under MultiWorkerMirroredStrategy a survivor
+cannot run collectives again after a peer is lost (its collective runtime is aborted: NOTES.md),
+and an async-ps cluster that lost its parameter server has lost its variables; both need new
+processes. Ray Train's FailureConfig does the same (tear down the worker group, resume from the
+last checkpoint). The fork server makes the new processes cheap (TensorFlow is imported once).
+
+Without checkpoint_dir, a temporary folder holds the checkpoints and is removed when the run
+ends; without checkpoint_every, the run saves every HEAL_CHECKPOINT_EVERY steps (and at its
+start, so a member lost before the first periodic save resumes from the start, not from
+whatever the cell builds again).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+
+from workbench._src.core.errors import WorkerError
+
+# How often a healing run saves when checkpoint_every is not given: a lost member costs at most
+# this many steps again. Checkpointing the digits MLP every 100 steps costs ~1% (bench/bench_heal.py);
+# lower it for slow steps, raise it for large models whose save takes long.
+HEAL_CHECKPOINT_EVERY = 100
+_PREEMPTED_MEMBER = re.compile(r"SIGTERM to (\w+ \d+)|(\w+ \d+) was preempted")
+_CHECKPOINT_NUMBER = re.compile(r"ckpt-(\d+)$")
+
+
+class Healing:
+    """The heals of one launched run: what each attempt is told, when to heal, and the record."""
+
+    def __init__(self, run, opts, worker_options: dict):
+        self.run = run
+        self.left = opts.max_restarts
+        self.scratch = None
+        self.options = dict(worker_options)
+        if self.left:
+            if not self.options.get("checkpoint_dir"):
+                self.scratch = tempfile.mkdtemp(prefix="workbench-heal-")
+                self.options["checkpoint_dir"] = self.scratch
+            self.options["checkpoint_every"] = self.options.get("checkpoint_every") or HEAL_CHECKPOINT_EVERY
+        self.step_offset = 0  # rows of a healed attempt count on from the step it resumed at
+        self._waiting: tuple[float, dict] | None = None  # (when healing began, its record)
+
+    # ----- deciding -----------------------------------------------------------------------------
+    def lost_member(self, error: BaseException) -> bool:
+        """True when `error` is a lost member this run may still heal from."""
+        return (
+            self.left > 0
+            and isinstance(error, WorkerError)
+            and error.cause is not None
+            and not self.run.stop_requested
+        )
+
+    def preempted_member(self, result: dict) -> bool:
+        """True when a member (not this process) was preempted and the run may heal from it."""
+        return self.left > 0 and result.get("status") == "preempted" and not self.run._preempted
+
+    # ----- healing ------------------------------------------------------------------------------
+    def heal(self, member: str | None, cause: str) -> None:
+        """Rewinds the run to its latest checkpoint and records the heal; the next attempt resumes
+        there (the caller starts it on a new pool)."""
+        run = self.run
+        self.left -= 1
+        lost_at = run.steps
+        global_step, run_step = self._latest_checkpoint()
+        run._rewind(run_step)
+        record = {
+            "member": member or "a member",
+            "cause": cause,
+            "step": global_step,  # the checkpoint's (global) step the run resumes from
+            "seconds": None,  # from the loss being known to the next step recorded
+            "lost_at": lost_at,  # the run's step when the member was lost
+        }
+        run.restarts.append(record)
+        run.publish("restart", run_step=run_step, **record)
+        self.step_offset = run_step
+        if global_step is not None:  # a checkpoint of this run exists: the next attempt resumes it
+            self.options["resume"] = True
+        self.options["warmup"] = 0  # (the first attempt's warm-up steps are in the checkpoint)
+        self._waiting = (time.monotonic(), record)
+
+    def rows_arrived(self) -> None:
+        """Called as the healed attempt's first rows come in: the heal is over; say it once."""
+        if self._waiting is None:
+            return
+        began, record = self._waiting
+        self._waiting = None
+        record["seconds"] = round(time.monotonic() - began, 2)
+        self.run.publish("message", text=heal_line(record, self.run.restarts))
+
+    def _latest_checkpoint(self) -> tuple[int | None, int]:
+        """(global step of this run's latest checkpoint or None, the run's own step count there)."""
+        saved = [e.data.get("path") or "" for e in self.run.events if e.kind == "checkpoint"]
+        numbers = [int(m.group(1)) for m in map(_CHECKPOINT_NUMBER.search, saved) if m]
+        if not numbers:
+            return None, 0
+        history = self.run.history
+        first_global = int(history["global_step"].iloc[0]) - 1 if len(history) else numbers[-1]
+        return numbers[-1], max(0, numbers[-1] - first_global)
+
+    def close(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+
+def preempted_member_name(reason: str | None) -> str | None:
+    """'worker 1' from a preempted run's reason ("(SIGTERM to worker 1)", "(worker 1 was preempted)")."""
+    found = _PREEMPTED_MEMBER.search(reason or "")
+    return (found.group(1) or found.group(2)) if found else None
+
+
+def heal_line(record: dict, restarts: list) -> str:
+    """One line for the dashboard and the sidebar: "worker 1 lost (killed by SIGKILL) at step
+    312: restarted from step 300, 6.1 s (restart 1)"."""
+    where = f"step {record['step']}" if record["step"] is not None else "the start"
+    seconds = f", {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
+    lost_at = record.get("lost_at")
+    at = f" at step {lost_at}" if lost_at else ""
+    return (
+        f"{record['member']} lost ({record['cause']}){at}: restarted from {where}{seconds} "
+        f"(restart {len(restarts)})"
+    )
