@@ -194,6 +194,7 @@ class Program:
         # A finite (or unknown) input may end inside the chunk: stop there, cleanly.
         rows = t.TensorArray(t.float32, size=0, dynamic_size=True)
         done = t.constant(0)
+        begin = last  # (AutoGraph: a value read after the loop's `break` is defined before it)
         for i in t.range(n):
             if timed:
                 begin = clock.stamp_after(last)
