@@ -4,9 +4,10 @@ Every timed chunk of the fused loop brings back four clock readings per step (st
 Together with the host's own clock around the call they tile the chunk's time:
 
   other   the run loop between chunks (recording rows, sinks, the chunk agreement), dispatching
-          the compiled call and fetching its results, the loop's own bookkeeping between steps
-  input   begin -> ready: waiting for the next batch of input_fn's pipeline
-  compute ready -> end, less the collectives: step_fn's own work
+          the compiled call and fetching its results
+  input   from the previous step's end until the batch is ready: waiting for input_fn's pipeline
+  compute the rest of the step, less the collectives: step_fn's own work (and the loop's own
+          bookkeeping between steps, a few microseconds)
   communication  the collectives step_fn issued (gradient all-reduce, repl.all_sum, ...) and the
           metric reduction, peers' delays included
 
@@ -41,16 +42,19 @@ def chunk_parts(began: float, ended: float, previous_end: float | None, marks) -
     """
     marks = np.asarray(marks, dtype=np.float64)
     begin, ready, end, comm = marks[:, 0], marks[:, 1], marks[:, 2], marks[:, 3]
-    body = np.maximum(end - ready, 0.0)
-    communication = np.clip(comm, 0.0, body)
+    # Steps tile the chunk end to end (the next step's iterator call overlaps the previous
+    # step's tail, step_clock.py): each from the previous step's end (the first: its begin).
+    previous = np.concatenate([begin[:1], end[:-1]])
+    span = np.maximum(end - previous, 0.0)
+    waiting = np.clip(ready - previous, 0.0, span)
+    communication = np.clip(comm, 0.0, span - waiting)
     between_calls = began - previous_end if previous_end is not None else 0.0
     outside = (begin[0] - began) + (ended - end[-1])  # dispatch and fetch around the loop
-    between_steps = (end[-1] - begin[0]) - float(np.sum(end - begin))
     return {
-        "input": float(np.sum(ready - begin)),
-        "compute": float(np.sum(body - communication)),
+        "input": float(np.sum(waiting)),
+        "compute": float(np.sum(span - waiting - communication)),
         "communication": float(np.sum(communication)),
-        "other": float(max(0.0, between_calls + outside + between_steps)),
+        "other": float(max(0.0, between_calls + outside)),
         "step": (ended - began) + between_calls,  # the host's measure of the same time
         "steps": len(marks),
     }

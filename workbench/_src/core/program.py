@@ -130,7 +130,6 @@ class Program:
         marks = t.TensorArray(
             t.float64, size=n if timed else 0, dynamic_size=timed and not self.infinite_input
         )
-        last = t.timestamp() if timed else t.constant(0.0, t.float64)
         step = self._timed_metrics_step if timed else self._metrics_step
         if self.infinite_input and self.replicator.spec.local_rows:
             # The hand-written loop, with the metric rows summed over replicas once per chunk, not
@@ -147,15 +146,15 @@ class Program:
                     tables.append(t.TensorArray(t.float32, size=n))
             for i in t.range(n):
                 if timed:
-                    begin = clock.stamp_after(last)
+                    begin = t.timestamp()  # (no wait for the previous step: see step_clock.py)
                     with t.control_dependencies([begin]):
                         batch = next(iterator)
                     ready = clock.stamp_after(batch)
-                    rows_here, comm = strategy.run(step, args=(clock.after(ready, batch),))
+                    rows_here, comm = strategy.run(step, args=(batch,))
                     local = strategy.experimental_local_results(rows_here)
                     comms = strategy.experimental_local_results(comm)
-                    last = clock.stamp_after([local, comms])
-                    marks = marks.write(i, t.stack([begin, ready, last, t.add_n(comms) / len(comms)]))
+                    end = clock.stamp_after([local, comms])
+                    marks = marks.write(i, t.stack([begin, ready, end, t.add_n(comms) / len(comms)]))
                 else:
                     per_replica = strategy.run(step, args=(next(iterator),))
                     local = strategy.experimental_local_results(per_replica)
@@ -175,17 +174,17 @@ class Program:
             rows = t.TensorArray(t.float32, size=n)
             for i in t.range(n):
                 if timed:
-                    begin = clock.stamp_after(last)
+                    begin = t.timestamp()  # (no wait for the previous step: see step_clock.py)
                     with t.control_dependencies([begin]):
                         batch = next(iterator)
                     ready = clock.stamp_after(batch)
-                    rows_here, comm = strategy.run(step, args=(clock.after(ready, batch),))
+                    rows_here, comm = strategy.run(step, args=(batch,))
                     comms = strategy.experimental_local_results(comm)
                     computed = clock.stamp_after([strategy.experimental_local_results(rows_here), comms])
                     summed = strategy.reduce("SUM", rows_here, axis=None)
-                    last = clock.stamp_after(summed)  # the metric reduction is communication too
-                    spent = t.add_n(comms) / len(comms) + (last - computed)
-                    marks = marks.write(i, t.stack([begin, ready, last, spent]))
+                    end = clock.stamp_after(summed)  # the metric reduction is communication too
+                    spent = t.add_n(comms) / len(comms) + (end - computed)
+                    marks = marks.write(i, t.stack([begin, ready, end, spent]))
                 else:
                     summed = strategy.reduce("SUM", strategy.run(step, args=(next(iterator),)), axis=None)
                 rows = rows.write(i, summed)
@@ -194,10 +193,10 @@ class Program:
         # A finite (or unknown) input may end inside the chunk: stop there, cleanly.
         rows = t.TensorArray(t.float32, size=0, dynamic_size=True)
         done = t.constant(0)
-        begin = last  # (AutoGraph: a value read after the loop's `break` is defined before it)
+        begin = t.constant(0.0, t.float64)  # (AutoGraph: read after the loop's `break`, so defined before)
         for i in t.range(n):
             if timed:
-                begin = clock.stamp_after(last)
+                begin = t.timestamp()  # (no wait for the previous step: see step_clock.py)
                 with t.control_dependencies([begin]):
                     optional = iterator.get_next_as_optional()
                     has_value = optional.has_value()
@@ -209,13 +208,13 @@ class Program:
             if timed:
                 batch = optional.get_value()
                 ready = clock.stamp_after(batch)
-                rows_here, comm = strategy.run(step, args=(clock.after(ready, batch),))
+                rows_here, comm = strategy.run(step, args=(batch,))
                 comms = strategy.experimental_local_results(comm)
                 computed = clock.stamp_after([strategy.experimental_local_results(rows_here), comms])
                 summed = strategy.reduce("SUM", rows_here, axis=None)
-                last = clock.stamp_after(summed)
-                spent = t.add_n(comms) / len(comms) + (last - computed)
-                marks = marks.write(i, t.stack([begin, ready, last, spent]))
+                end = clock.stamp_after(summed)
+                spent = t.add_n(comms) / len(comms) + (end - computed)
+                marks = marks.write(i, t.stack([begin, ready, end, spent]))
             else:
                 summed = strategy.reduce("SUM", strategy.run(step, args=(optional.get_value(),)), axis=None)
             rows = rows.write(i, summed)
