@@ -4,10 +4,11 @@ Every timed chunk of the fused loop brings back four clock readings per step (st
 Together with the host's own clock around the call they tile the chunk's time:
 
   other   the run loop between chunks (recording rows, sinks, the chunk agreement), dispatching
-          the compiled call and fetching its results
-  input   from the previous step's end until the batch is ready: waiting for input_fn's pipeline
-  compute the rest of the step, less the collectives: step_fn's own work (and the loop's own
-          bookkeeping between steps, a few microseconds)
+          the compiled call and fetching its results, and the fused loop's bookkeeping between a
+          step's end and the next step's call to the iterator
+  input   from that call (or the previous step's end, when the call came earlier) until the
+          batch is ready: waiting for input_fn's pipeline
+  compute the rest of the step, less the collectives: step_fn's own work
   communication  the collectives step_fn issued (gradient all-reduce, repl.all_sum, ...) and the
           metric reduction, peers' delays included
 
@@ -46,15 +47,18 @@ def chunk_parts(began: float, ended: float, previous_end: float | None, marks) -
     # step's tail, step_clock.py): each from the previous step's end (the first: its begin).
     previous = np.concatenate([begin[:1], end[:-1]])
     span = np.maximum(end - previous, 0.0)
-    waiting = np.clip(ready - previous, 0.0, span)
-    communication = np.clip(comm, 0.0, span - waiting)
+    # The loop's bookkeeping before a step asks for its batch (when it did not ask early) is
+    # not waiting for input: `other`.
+    bookkeeping = np.clip(begin - previous, 0.0, span)
+    waiting = np.clip(ready - np.maximum(begin, previous), 0.0, span - bookkeeping)
+    communication = np.clip(comm, 0.0, span - bookkeeping - waiting)
     between_calls = began - previous_end if previous_end is not None else 0.0
     outside = (begin[0] - began) + (ended - end[-1])  # dispatch and fetch around the loop
     return {
         "input": float(np.sum(waiting)),
-        "compute": float(np.sum(span - waiting - communication)),
+        "compute": float(np.sum(span - bookkeeping - waiting - communication)),
         "communication": float(np.sum(communication)),
-        "other": float(max(0.0, between_calls + outside)),
+        "other": float(max(0.0, between_calls + outside + np.sum(bookkeeping))),
         "step": (ended - began) + between_calls,  # the host's measure of the same time
         "steps": len(marks),
     }
