@@ -264,3 +264,20 @@ class LabFrontend:
         if until is None:
             return got
         raise AssertionError(f"no such message within {timeout} s; received {[m[1:] for m in got][-3:]}")
+
+
+def checkpoint_floats(directory) -> dict:
+    """Every float tensor of the latest checkpoint in `directory`, by its checkpoint key."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(str(directory))
+    return {k: reader.get_tensor(k) for k, d in reader.get_variable_to_dtype_map().items() if d.is_floating}
+
+
+def assert_same_checkpoints(a, b, atol=1e-6) -> None:
+    """The latest checkpoints in folders a and b hold the same variables, within atol."""
+    ta, tb = checkpoint_floats(a), checkpoint_floats(b)
+    assert ta.keys() == tb.keys()
+    worst = max(float(np.max(np.abs(ta[k] - tb[k]))) for k in ta)
+    assert worst <= atol, f"largest difference between the two runs' variables: {worst:.3g}"
+

@@ -11,14 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cloudpickle
 import pytest
 import tensorflow as tf
-from helpers import process_pid, wait_for, wait_for_steps
-from test_resume import _assert_same_checkpoints, mlp_setup
+import toy_models
+from helpers import assert_same_checkpoints, process_pid, wait_for, wait_for_steps
+from toy_models import mlp_setup
 
 import workbench as wb
 
 pytestmark = pytest.mark.slow
+cloudpickle.register_pickle_by_value(toy_models)  # setup= travels to worker processes
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -47,10 +50,12 @@ def test_a_killed_worker_heals_and_the_run_equals_an_uninterrupted_one(tmp_path)
     assert heal["step"] in (50, 100) and heal["step"] <= heal["lost_at"]  # its last clean checkpoint
     assert heal["seconds"] > 0
     said = [e.data["text"] for e in run.events if e.kind == "message" and "lost (" in e.data.get("text", "")]
-    assert said == [f"worker 1 lost (killed by SIGKILL) at step {heal['lost_at']}: restarted from step {heal['step']}, {heal['seconds']:.1f} s (restart 1)"]
+    assert said == [
+        f"worker 1 lost (killed by SIGKILL) at step {heal['lost_at']}: restarted from step {heal['step']}, {heal['seconds']:.1f} s (restart 1)"
+    ]
 
     repl.train(setup=mlp_setup, steps=300, checkpoint_dir=tmp_path / "whole", checkpoint_every=50)
-    _assert_same_checkpoints(tmp_path / "healed", tmp_path / "whole")
+    assert_same_checkpoints(tmp_path / "healed", tmp_path / "whole")
 
 
 def test_a_frozen_worker_heals_without_a_checkpoint_dir(tmp_path, monkeypatch):
@@ -72,7 +77,12 @@ def test_a_frozen_worker_heals_without_a_checkpoint_dir(tmp_path, monkeypatch):
 def test_a_lost_parameter_server_heals_an_async_run(tmp_path):
     repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
     run = repl.train(
-        setup=mlp_setup, steps=300, checkpoint_dir=tmp_path, checkpoint_every=50, max_restarts=1, background=True
+        setup=mlp_setup,
+        steps=300,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=50,
+        max_restarts=1,
+        background=True,
     )
     _kill_at_row(run, "ps", 0, 120)
     run.wait(600)
@@ -137,4 +147,4 @@ def test_workbench_run_preempted_exits_75_and_the_same_command_finishes_the_run(
     whole = _cli(*line, "--checkpoint", "whole", cwd=tmp_path)
     assert whole.wait(timeout=300) == 0
     whole.communicate()
-    _assert_same_checkpoints(tmp_path / "cut", tmp_path / "whole")
+    assert_same_checkpoints(tmp_path / "cut", tmp_path / "whole")

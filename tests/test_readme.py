@@ -40,6 +40,8 @@ NOT_RUN = {
     'python -m pytest -m "not slow"': "the fast lane: the tests themselves",
     "--cluster TF_CONFIG": "needs two hosts named gpu-a and gpu-b",
     "ray start --head": "needs two hosts; tests/test_ray.py makes a two-node Ray cluster in network namespaces",
+    "scontrol requeue": "needs a Slurm cluster; tests/test_heal.py preempts `workbench run` and runs the "
+    "same command again",
 }
 CHEAP_COMMAND = re.compile(r"^workbench (run|scale) examples/\S+\.py( |$)")
 

@@ -5,36 +5,19 @@ The checkpoint holds the input's position and the run's goal beside the variable
 same steps again trains only the steps it still lacked.
 """
 
-import sys
 import warnings
 
 import cloudpickle
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 import toy_models
-from toy_models import make_mlp, toy_data
+from helpers import assert_same_checkpoints
+from toy_models import make_mlp, mlp_setup, toy_data
 
 import workbench as wb
 
-# setup= travels to worker processes, with the helpers it calls.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-cloudpickle.register_pickle_by_value(toy_models)
-
-
-def _float_tensors(directory) -> dict:
-    """Every float tensor of the latest checkpoint in `directory`, by its checkpoint key."""
-    reader = tf.train.load_checkpoint(str(directory))
-    dtypes = reader.get_variable_to_dtype_map()
-    return {k: reader.get_tensor(k) for k, d in dtypes.items() if d.is_floating}
-
-
-def _assert_same_checkpoints(a, b, atol=1e-6):
-    ta, tb = _float_tensors(a), _float_tensors(b)
-    assert ta.keys() == tb.keys()
-    worst = max(float(np.max(np.abs(ta[k] - tb[k]))) for k in ta)
-    assert worst <= atol, f"largest difference between the two runs' variables: {worst:.3g}"
+cloudpickle.register_pickle_by_value(toy_models)  # setup= travels to worker processes
 
 
 def _trainer(backend, replicas, shuffle_seed=7):
@@ -78,32 +61,7 @@ def test_fifteen_then_twenty_five_resumed_equal_forty_uninterrupted(tmp_path, ba
     second = repl.train(step_fn, input_fn, steps=25, checkpoint_dir=tmp_path / "cut", checkpoint=items)
     assert second.history["global_step"].tolist() == list(range(16, 41))
     assert not [e for e in second.events if "cannot resume exactly" in e.data.get("text", "")]
-    _assert_same_checkpoints(tmp_path / "whole", tmp_path / "cut")
-
-
-def mlp_setup(repl):
-    """The same trainer, built in each worker process (setup= travels by value)."""
-    _, items, step_fn, input_fn = _trainer_in(repl)
-    return step_fn, input_fn
-
-
-def _trainer_in(repl, shuffle_seed=7):
-    x, y = toy_data()
-    with repl.context():
-        model = make_mlp(seed=0)
-        opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-2))
-
-    def input_fn(ctx):
-        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=shuffle_seed).repeat().batch(32)
-
-    def step_fn(xb, yb):
-        with tf.GradientTape() as tape:
-            logits = model(xb, training=True)
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-        return {"loss": loss}
-
-    return model, None, step_fn, input_fn
+    assert_same_checkpoints(tmp_path / "whole", tmp_path / "cut")
 
 
 @pytest.mark.slow
@@ -111,9 +69,11 @@ def test_multi_worker_fifteen_then_twenty_five_resumed_equal_forty_uninterrupted
     repl = wb.MultiWorkerReplicator(num_workers=2)
     repl.train(setup=mlp_setup, steps=40, checkpoint_dir=tmp_path / "whole")
     repl.train(setup=mlp_setup, steps=15, checkpoint_dir=tmp_path / "cut")
-    second = wb.MultiWorkerReplicator(num_workers=2).train(setup=mlp_setup, steps=25, checkpoint_dir=tmp_path / "cut")
+    second = wb.MultiWorkerReplicator(num_workers=2).train(
+        setup=mlp_setup, steps=25, checkpoint_dir=tmp_path / "cut"
+    )
     assert second.history["global_step"].tolist() == list(range(16, 41))
-    _assert_same_checkpoints(tmp_path / "whole", tmp_path / "cut")
+    assert_same_checkpoints(tmp_path / "whole", tmp_path / "cut")
 
 
 def test_a_preempted_run_given_the_same_steps_finishes_the_run_it_began(tmp_path):
@@ -141,7 +101,7 @@ def test_a_preempted_run_given_the_same_steps_finishes_the_run_it_began(tmp_path
     assert rest.status == "finished"
     assert rest.history["global_step"].tolist() == list(range(cut_at + 1, 61))  # only what was missing
     assert any("finishing the unfinished run of 60 steps" in e.data.get("text", "") for e in rest.events)
-    _assert_same_checkpoints(tmp_path / "whole", tmp_path / "cut")
+    assert_same_checkpoints(tmp_path / "whole", tmp_path / "cut")
 
     # The run is finished now: the same steps again mean 60 more, as before.
     repl, items, step_fn, input_fn = _trainer("single", None)

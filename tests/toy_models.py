@@ -21,3 +21,29 @@ def toy_data(rows: int = 256, seed: int = 0):
     x = rng.normal(size=(rows, FEATURES)).astype("float32")
     y = (x[:, :CLASSES].argmax(axis=1)).astype("int32")
     return x, y
+
+
+def mlp_setup(repl, shuffle_seed=7):
+    """setup(repl) for every backend: the seeded MLP, wrapped Adam, a seeded shuffle of the toy
+    data, and an SGD-style step_fn; returns (step_fn, input_fn). Travels to worker processes
+    (register this module with cloudpickle.register_pickle_by_value)."""
+    import keras
+    import tensorflow as tf
+
+    x, y = toy_data()
+    with repl.context():
+        model = make_mlp(seed=0)
+        opt = repl.wrap_optimizer(keras.optimizers.Adam(1e-2))
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=shuffle_seed).repeat().batch(32)
+
+    def step_fn(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return {"loss": loss}
+
+    return step_fn, input_fn
+

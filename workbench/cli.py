@@ -9,6 +9,7 @@ from workbench._src import options
 from workbench._src.backends import registry
 from workbench._src.scripts.demo import demo as run_demo
 from workbench._src.scripts.run_file import run_file, scale_file
+from workbench._src.sinks.progress import say
 
 RUN_EXAMPLES = """examples:
   workbench run examples/train.py --backend mirrored --replicas 4 --steps 500
@@ -36,18 +37,65 @@ multi-worker, in its worker processes), after seeding: it builds its model and o
 defines input_fn(ctx), which must batch to ctx.global_batch_size, and step_fn(batch)."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs as written; every option's help ends with its default (unless it names one)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and default not in (None, False, argparse.SUPPRESS)
+            and "default" not in text
+        ):
+            shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+            text += f" (default: {str(shown).replace('%', '%%')})"
+        return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        say("importing TensorFlow and building the model...")  # (what the next seconds do)
+        run_demo(replicas=args.replicas, steps=args.steps, out=args.out)
+        return 0
+    if args.command == "scale":
+        return scale_file(args)
+    return run_file(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `workbench` parser and its three subcommands (every option's help shows its default)."""
     parser = argparse.ArgumentParser(prog="workbench", description="Replicator Workbench")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small model on digits over mirrored virtual CPUs")
-    demo.add_argument("--replicas", type=int, default=4)
-    demo.add_argument("--steps", type=int, default=600)
-    demo.add_argument("--out", default="workbench-demo.png", help="where to write the plot PNG")
+    demo = sub.add_parser(
+        "demo",
+        help="train a small model on digits over mirrored virtual CPUs",
+        description="Trains an MLP on scikit-learn's digits on the mirrored backend (virtual CPUs "
+        "when there is no GPU), then prints a summary (throughput, loss, test accuracy) and writes "
+        "a plot of the run.",
+        formatter_class=HelpFormatter,
+    )
+    demo.add_argument(
+        "--replicas",
+        type=options.positive_int,
+        default=4,
+        metavar="N",
+        help="mirrored replicas (one device each)",
+    )
+    demo.add_argument(
+        "--steps",
+        type=options.positive_int,
+        default=600,
+        metavar="N",
+        help="training steps (global batch 128)",
+    )
+    demo.add_argument("--out", default="workbench-demo.png", metavar="PNG", help="where to write the plot")
     run = sub.add_parser(
         "run",
         help="train the input_fn/step_fn a Python file defines, on any backend",
         epilog=RUN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     run.add_argument("file", help="a Python file defining input_fn and step_fn")
     options.add_arguments(
@@ -68,19 +116,28 @@ def main(argv: list[str] | None = None) -> int:
         help="join a real cluster: TF_CONFIG (the environment variable) or slurm; or place the worker "
         "processes on a Ray cluster: ray, ray=ADDRESS, ray=local; default: start local processes",
     )
-    run.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the cluster")
+    run.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="seconds to wait for the processes or the cluster to be ready",
+    )
     run.add_argument(
         "--worker-timeout",
         type=float,
+        metavar="SECONDS",
         help="async-ps on a cluster: seconds a worker may not answer before it is declared lost and "
         "the run goes on without it (default 60)",
     )
-    run.add_argument("--cpus", type=int, help="virtual CPU devices in this process (default 8 without GPUs)")
+    run.add_argument(
+        "--cpus", type=int, metavar="N", help="virtual CPU devices in this process (default 8 without GPUs)"
+    )
     scale = sub.add_parser(
         "scale",
         help="a scaling study of the model a Python file builds (as %%%%replicate --scaling)",
         epilog=SCALE_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     scale.add_argument("file", help="a Python file building its model and defining input_fn and step_fn")
     options.add_arguments(
@@ -97,24 +154,25 @@ def main(argv: list[str] | None = None) -> int:
         options.WARMUP.but(default=10),
         options.BATCH_SIZE.but(default=32, help="per replica (weak) or global (strong)"),
     )
-    scale.add_argument("--out", default="scaling.png", help="where to write the figure PNG")
+    scale.add_argument("--out", default="scaling.png", metavar="PNG", help="where to write the figure")
     scale.add_argument("--csv", help="also write the table to this CSV file")
     scale.add_argument(
         "--repeats",
         type=int,
         default=1,
+        metavar="N",
         help="measure each configuration this many times, interleaved (spread)",
     )
-    scale.add_argument("--threads", type=int, help="TensorFlow threads per worker (multi-worker)")
-    scale.add_argument("--cpus", type=int, help="virtual CPU devices here (mirrored; default max(8, counts))")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        run_demo(replicas=args.replicas, steps=args.steps, out=args.out)
-        return 0
-    if args.command == "scale":
-        return scale_file(args)
-
-    return run_file(args)
+    scale.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="TensorFlow threads per worker (multi-worker; default: TensorFlow's)",
+    )
+    scale.add_argument(
+        "--cpus", type=int, metavar="N", help="virtual CPU devices here (mirrored; default max(8, counts))"
+    )
+    return parser
 
 
 if __name__ == "__main__":

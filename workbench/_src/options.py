@@ -95,13 +95,13 @@ WORKERS = _option(
     "--workers",
     type=positive_int,
     metavar="N",
-    help=f"worker processes ({', '.join(registry.names(takes_workers=True))})",
+    help=f"worker processes ({', '.join(registry.names(takes_workers=True))}; default 2)",
 )
 PS = _option(
     "--ps",
     type=positive_int,
     metavar="N",
-    help=f"parameter servers ({', '.join(registry.names(takes_ps=True))})",
+    help=f"parameter servers ({', '.join(registry.names(takes_ps=True))}; default 1)",
 )
 CLUSTER = _option(
     "--cluster",

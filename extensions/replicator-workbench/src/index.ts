@@ -24,6 +24,7 @@ import { Widget } from '@lumino/widgets';
 
 import { KernelLink } from './link';
 import {
+  deleteRunsText,
   formatNumber,
   ISnapshot,
   IStoredRun,
@@ -87,7 +88,7 @@ function activate(
     tensorboard: runId => void openTensorBoard(runId),
     requestRuns: () => sendOrWarn({ type: 'runs' }),
     compare: runIds => sendOrWarn({ type: 'compare', run_ids: runIds }),
-    deleteRuns: runIds => void deleteRuns(runIds),
+    deleteRuns: (runIds, names) => void deleteRuns(runIds, names),
     renameRun: row => void renameRun(row),
     tagRun: row => void tagRun(row),
     shutdownPools: () => sendOrWarn({ type: 'shutdown_pools' })
@@ -287,10 +288,13 @@ function activate(
     }
   }
 
-  async function deleteRuns(runIds: string[]): Promise<void> {
+  async function deleteRuns(runIds: string[], names: string[]): Promise<void> {
+    const body = document.createElement('pre'); // (one run a line, names as written)
+    body.className = 'wb-delete-list';
+    body.textContent = deleteRunsText(names);
     const answer = await showDialog({
       title: `Delete ${runIds.length} recorded run${runIds.length === 1 ? '' : 's'}?`,
-      body: 'Their folders (history, events, figure, TensorBoard files) are removed from the run store.',
+      body: new Widget({ node: body }),
       buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Delete' })]
     });
     if (answer.button.accept) {

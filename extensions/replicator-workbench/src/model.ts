@@ -55,6 +55,8 @@ export interface IRunInfo {
   /** A scaling study's runs share a group ("scaling weak"); its warm-up runs are marked. */
   group?: string | null;
   warmup?: boolean;
+  /** The last heal of a run with max_restarts, in one line ("worker 1 lost (...) at step 312: ..."). */
+  heal?: string | null;
   started: number | null;
   ended: number | null;
 }
@@ -114,12 +116,21 @@ export function hparamsOf(row: IStoredRun): string[] {
   return Object.entries(hparams).map(([name, value]) => formatHparam(name, value));
 }
 
+/** A run's tags as the table shows them: "best, lr" -> ["#best", "#lr"]. */
+export function tagLabels(row: IStoredRun): string[] {
+  return (row.tags || '')
+    .split(',')
+    .map(t => t.trim())
+    .filter(Boolean)
+    .map(t => `#${t}`);
+}
+
 /**
- * What a row is found by in the table's filter box: name, tags, source, backend, status, id
- * and its hparams as "lr=0.1" (so "lr=0.1" finds exactly those runs).
+ * What a row is found by in the table's filter box: name, tags (also as shown, "#best"), source,
+ * backend, status, id and its hparams as "lr=0.1" (so "lr=0.1" finds exactly those runs).
  */
 export function rowText(row: IStoredRun): string {
-  return [row.name, row.tags, row.source, row.backend, row.status, row.id, ...hparamsOf(row)]
+  return [row.name, row.tags, ...tagLabels(row), row.source, row.backend, row.status, row.id, ...hparamsOf(row)]
     .filter(v => typeof v === 'string')
     .join(' ')
     .toLowerCase();
@@ -527,4 +538,20 @@ export function stateHint(state: LinkState): string {
     case 'ready':
       return '';
   }
+}
+
+/**
+ * The delete dialog's text: which runs go, by name (the first `shown`, then how many more),
+ * then what is removed.
+ */
+export function deleteRunsText(names: string[], shown = 8): string {
+  const listed = names.slice(0, shown).map(n => `\u2022 ${n}`);
+  if (names.length > shown) {
+    listed.push(`and ${names.length - shown} more`);
+  }
+  return [
+    ...listed,
+    '',
+    'Their folders (history, events, figure, TensorBoard files) are removed from the run store.'
+  ].join('\n');
 }

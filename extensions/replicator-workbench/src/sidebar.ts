@@ -33,7 +33,8 @@ import {
   sortAndFilter,
   stateHint,
   studyLineName,
-  studyTitle
+  studyTitle,
+  tagLabels
 } from './model';
 
 export interface ISidebarActions {
@@ -47,7 +48,7 @@ export interface ISidebarActions {
   /** Asks the kernel for the run store's table (answered with setStoredRuns). */
   requestRuns(): void;
   compare(runIds: string[]): void;
-  deleteRuns(runIds: string[]): void;
+  deleteRuns(runIds: string[], names: string[]): void;
   /** Asks for a new name (unique in the store), then wb.rename_run in the kernel. */
   renameRun(row: IStoredRun): void;
   /** Asks for the run's tags, then wb.tag_run in the kernel. */
@@ -224,7 +225,13 @@ export class ReplicatorSidebar extends Widget {
     );
     compare.disabled = this._selected.size < 2;
     compare.title = 'Overlay the loss and throughput of the picked runs (wb.compare_runs)';
-    const remove = button('Delete', 'wb-delete', () => this.actions.deleteRuns([...this._selected]));
+    const remove = button('Delete', 'wb-delete', () => {
+      const picked = this._storedRows.filter(r => this._selected.has(r.id));
+      this.actions.deleteRuns(
+        picked.map(r => r.id),
+        picked.map(r => r.name || r.id)
+      );
+    });
     remove.disabled = this._selected.size === 0;
     const refresh = button('Refresh', 'wb-refresh', () => this.actions.requestRuns());
     const one = this._storedRows.find(r => this._selected.size === 1 && this._selected.has(r.id));
@@ -303,7 +310,7 @@ export class ReplicatorSidebar extends Widget {
       if (hparams.length) {
         name.append(el('div', 'wb-stored-hparams', hparams.join(' ')));
       }
-      const details = [row.tags ? `#${row.tags.split(', ').join(' #')}` : '', sourceName(row.source), startedAt(row.started)];
+      const details = [tagLabels(row).join(' '), sourceName(row.source), startedAt(row.started)];
       name.append(el('div', 'wb-stored-details', details.filter(Boolean).join(' \u00b7 ')));
       tr.dataset.status = row.status ?? '';
       tr.append(
@@ -431,6 +438,9 @@ export class ReplicatorSidebar extends Widget {
     if (isRunning(run)) {
       row.append(bar);
     }
+    if (run.heal) {
+      row.append(el('div', 'wb-run-heal', run.heal));
+    }
     const update = (r: IRunInfo) => {
       step.textContent = describeProgress(r);
       loss.textContent = `loss ${formatNumber(r.loss)}`;
@@ -493,7 +503,7 @@ function structureKey(state: LinkState, snapshot: ISnapshot | null, notebookName
     notebookName,
     snapshot?.devices ?? null,
     snapshot?.replicator ?? null,
-    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason, r.breakdown]),
+    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason, r.heal ?? null, r.breakdown ?? null]),
     poolsOf(snapshot).map(p => [p.backend, p.workers, p.processes, p.state, p.runs, p.idle_timeout, p.placement])
   ]);
 }

@@ -28,6 +28,7 @@ import {
   progressFraction,
   runningRun,
   sortAndFilter,
+  deleteRunsText,
   stateHint,
   statusBarText,
   stopAction
@@ -187,6 +188,13 @@ test('store table: text filter over name, tags, source; counts as integers; conf
     { id: 'b', name: 'other', status: 'failed', backend: 'async-ps', replicas: 2, workers: 2, ps: 1, tags: '', source: 'train.py', steps: 3, duration_s: 1, steps_per_sec: 1, examples_per_sec: 1, loss: 1 }
   ] as IStoredRun[];
   assert.deepEqual(sortAndFilter(rows, 'id', false, null, 'best').map(r => r.id), ['a']);
+  // The tag as the table shows it ("#best") finds the run too; "#other" (a name) does not.
+  assert.deepEqual(sortAndFilter(rows, 'id', false, null, '#best').map(r => r.id), ['a']);
+  assert.deepEqual(sortAndFilter(rows, 'id', false, null, '#other').map(r => r.id), []);
+  // The delete dialog names the runs it deletes.
+  assert.match(deleteRunsText(['baseline', 'other']), /^\u2022 baseline\n\u2022 other\n\nTheir folders/);
+  const many = deleteRunsText(Array.from({ length: 11 }, (_, i) => `run ${i}`));
+  assert.match(many, /\u2022 run 7\nand 3 more\n/);
   assert.deepEqual(sortAndFilter(rows, 'id', false, null, 'train failed').map(r => r.id), ['b']);
   assert.deepEqual(sortAndFilter(rows, 'id', false, null, '').map(r => r.id), ['a', 'b']);
   assert.equal(formatCount(40.0), '40');

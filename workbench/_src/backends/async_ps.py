@@ -41,6 +41,7 @@ from workbench._src.core import tf_setup
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.tf_setup import tf
+from workbench._src.core.tracebacks import user_facing
 from workbench._src.launch import runtime
 from workbench._src.launch.join_watchdog import wait_for_peers
 from workbench._src.launch.launcher import Task
@@ -324,6 +325,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
             self._programs[key] = AsyncProgram(self, step_fn, input_fn)
         return self._programs[key]
 
+    @user_facing
     def run(self, step_fn, input_fn):
         """One step on one worker (whichever is free); returns [its outputs]."""
         return [self._program(step_fn, input_fn).run_one()]

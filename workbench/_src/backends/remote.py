@@ -23,6 +23,7 @@ from workbench._src.backends.registry import spec
 from workbench._src.core.cells import CELL_FILENAME, execute_source
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
+from workbench._src.core.tracebacks import user_facing
 from workbench._src.launch import runtime, shipping
 from workbench._src.launch.launcher import Launcher, task_order
 from workbench._src.launch.ray_cluster import RayCluster
@@ -195,6 +196,7 @@ class RemoteReplicator(Replicator):
             yield self
 
     # ----- what goes to the processes ----------------------------------------------------
+    @user_facing
     def run(self, step_fn, input_fn):
         per_worker = self.run_on_workers(shipping.OneStep(step_fn, input_fn))
         return [out for worker in per_worker for out in worker]
@@ -203,11 +205,13 @@ class RemoteReplicator(Replicator):
         results = self.launcher.launch(self._work(shipping.CallWork(fn)), timeout=timeout)
         return [results[task] for task in sorted(results, key=task_order)]
 
+    @user_facing
     def train(self, step_fn=None, input_fn=None, steps=None, *, setup=None, **options):
         self._check_train_arguments(step_fn, input_fn, setup)
         work = shipping.TrainWork(step_fn=step_fn, input_fn=input_fn, setup=setup)
         return self.launcher.train(self, self._work(work), steps, options, local_variables=None)
 
+    @user_facing
     def train_cell(self, source: str, namespace: dict, steps: int, *, filename=None, **options):
         setup, local_variables = self.setup_from_cell(source, namespace, filename)
         work = self._work(shipping.TrainWork(setup=setup))

@@ -151,15 +151,16 @@ def rows_diagnosis(rows: list[dict], backend: str | None) -> str:
     return diagnosis(rows, asynchronous=asynchronous)
 
 
-def frame(rows: list[dict]):
-    """The DataFrame run.breakdown() returns: one row per worker (index `worker`)."""
+def frame(rows: list[dict], backend: str | None = None):
+    """The DataFrame run.breakdown() returns: one row per worker (index `worker`);
+    `.attrs["diagnosis"]` is the sentence, `.attrs["collective_bytes"]` the forecast's bytes."""
     import pandas as pd
 
     table = pd.DataFrame(
         [{k: r.get(k) for k in ("worker", *COLUMNS)} for r in rows], columns=["worker", *COLUMNS]
     )
     table = table.set_index("worker")
-    table.attrs["diagnosis"] = diagnosis(rows)
+    table.attrs["diagnosis"] = rows_diagnosis(rows, backend)
     # what a step's collectives carry per replica (the gradients): the forecast's message size
     table.attrs["collective_bytes"] = max((r.get("collective_bytes") or 0 for r in rows), default=0)
     return table

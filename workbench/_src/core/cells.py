@@ -31,6 +31,7 @@ import weakref
 
 from workbench._src.core import reaper
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.tracebacks import remember_source
 
 # replicator -> {cell key: _Owned}; weak, so a replicator nobody uses is not kept alive here
 CELL_FILENAME = "<%%replicate cell>"
@@ -38,6 +39,8 @@ CELL_FILENAME = "<%%replicate cell>"
 
 def execute_source(source, namespace: dict, filename: str = CELL_FILENAME) -> dict:
     """Runs `source` (a string, or a code object already compiled) in `namespace`; returns it."""
+    if isinstance(source, str):
+        remember_source(filename, source)  # (the lines a worker's traceback shows)
     code = compile(source, filename, "exec") if isinstance(source, str) else source
     namespace.setdefault("__name__", "__main__")
     exec(code, namespace)

@@ -29,6 +29,7 @@ from workbench._src.core.optimizer import ReplicatedOptimizer
 from workbench._src.core.program import Program
 from workbench._src.core.run_options import options_from
 from workbench._src.core.tf_setup import tf
+from workbench._src.core.tracebacks import user_facing
 
 
 class Replicator:
@@ -216,6 +217,7 @@ class Replicator:
         with t.device(devices[index]):
             yield devices[index]
 
+    @user_facing
     def run(self, step_fn: Callable, input_fn: Callable):
         """Runs one step of step_fn on every replica; returns the list of per-replica outputs.
 
@@ -224,6 +226,7 @@ class Replicator:
         """
         return self._program(step_fn, input_fn).run_one()
 
+    @user_facing
     def train(
         self,
         step_fn: Callable | None = None,
@@ -277,6 +280,7 @@ class Replicator:
                 f"received step_fn={step_fn!r}, input_fn={input_fn!r}, setup=None."
             )
 
+    @user_facing
     def train_cell(self, source: str, namespace: dict, steps: int, *, filename: str | None = None, **options):
         """Runs a `%%replicate` cell's source (or a `workbench run` file) inside repl.context()
         with `repl` bound to this replicator, then trains the step_fn and input_fn it defines.

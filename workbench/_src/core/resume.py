@@ -90,7 +90,9 @@ def pipeline_notes(dataset, where: str = "input_fn") -> list[str]:
                 "it shuffles without a seed: a resumed run sees other batches than the uninterrupted "
                 "run would. Fix: .shuffle(buffer, seed=0), or tf.random.set_seed(0) before input_fn runs"
             )
-        elif node.op.startswith(_RANDOM_OPS) and _attr_int(node, "seed") == 0 and _attr_int(node, "seed2") == 0:
+        elif (
+            node.op.startswith(_RANDOM_OPS) and _attr_int(node, "seed") == 0 and _attr_int(node, "seed2") == 0
+        ):
             found.append(
                 "it draws unseeded random numbers (e.g. augmentation): a resumed run draws others. "
                 "Fix: the tf.random.stateless_* ops, or tf.random.set_seed(0) before input_fn runs"

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench._src.core.run_stats import figures, fmt, last_metrics, shown_reason
+from workbench._src.core.tracebacks import plain, readable, shown_text
 
 _source_override: str | None = None  # set by `workbench run FILE.py` (set_source)
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Run of this process
@@ -192,33 +193,27 @@ class Run:
             return pd.DataFrame({k: list(v) for k, v in self._columns.items()})
 
     def breakdown(self):
-        """Where a step's time goes: a DataFrame, one row per worker (one in process), of
-        `input` (waiting for input_fn), `compute`, `communication` (collectives or parameter-
-        server traffic, waiting for peers included) and `other` (host and Python overhead) in
-        seconds per step, adding up to `step` (measured); `steps`: the sample's size. Empty with
-        breakdown=False or before a timed chunk. `.attrs["diagnosis"]`: run.diagnosis()."""
+        """Where a step's time goes, one row per worker (one in process): `input` (waiting for
+        input_fn), `compute`, `communication` (collectives or parameter-server traffic, waiting
+        for peers included), `other` (host and Python overhead), in seconds per step adding up to
+        `step` (measured), from a sample of `steps`; empty with breakdown=False. A DataFrame."""
         from workbench._src.core import breakdown
 
-        table = breakdown.frame(self._breakdown_rows())
-        table.attrs["diagnosis"] = self.diagnosis()
-        return table
+        return breakdown.frame(self._breakdown_rows(), self.config.get("backend"))
 
     def diagnosis(self) -> str:
-        """One sentence from breakdown(): what dominates a step and the likely fix, e.g.
-        "input-bound: 62% of each step waits for input_fn; add .prefetch(tf.data.AUTOTUNE) ..."."""
+        """breakdown() in one sentence: what dominates a step and the likely fix."""
         from workbench._src.core import breakdown
 
         return breakdown.rows_diagnosis(self._breakdown_rows(), self.config.get("backend"))
 
     def record_breakdown(self, row: dict) -> None:
         """Keeps a worker's latest breakdown row; publishes "breakdown" (all rows, the sentence)."""
-        with self._lock:
-            self._breakdown[int(row.get("worker", 0))] = dict(row)
+        self._breakdown[int(row.get("worker", 0))] = dict(row)  # (one assignment: atomic)
         self.publish("breakdown", rows=self._breakdown_rows(), text=self.diagnosis())
 
     def _breakdown_rows(self) -> list[dict]:
-        with self._lock:
-            return [dict(r) for _, r in sorted(self._breakdown.items())]
+        return [dict(r) for _, r in sorted(dict(self._breakdown).items())]
 
     @property
     def steps(self) -> int:
@@ -392,22 +387,35 @@ class Run:
             self._done.set()
 
     def _fail(self, error: BaseException) -> None:
-        """Ends the run as failed with `error`, which then carries this run (`error.run`)."""
-        self.error = error
+        """Ends the run as failed with `error`, which then carries this run (`error.run`).
+
+        What is kept (and re-raised) is the error's cause, with the researcher's frames only
+        (core/tracebacks.py): the reason every view shows starts with the cause's own sentence.
+        """
+        error = self.error = readable(error)
         if getattr(error, "run", None) is None:
             try:
                 error.run = self  # the history up to the failure travels with the error
             except AttributeError:  # a built-in exception that takes no attributes
                 pass
-        import traceback
+        reason = plain(f"{type(error).__name__}: {error}")
+        self._end("failed", reason, details=shown_text(error)[-20000:])
 
-        details = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-        self._end("failed", f"{type(error).__name__}: {error}", details=details[-20000:])
+    @property
+    def _ipython_display_(self):
+        """IPython's display hook, there only while the run trains in the background: its output
+        then becomes its summary when it ends (core/run_display.py). Any other run is a plain
+        result (an AttributeError here is how IPython hears "no such hook")."""
+        if self.status in ENDED_STATUSES or self._thread is None:
+            raise AttributeError("_ipython_display_")
+        from workbench._src.core.run_display import display_run
+
+        return lambda: display_run(self)
 
     def _repr_html_(self):
         import html
 
-        if not self.ended and self._thread is not None:
+        if self.status not in ENDED_STATUSES and self._thread is not None:
             # Shown once when the cell ends and never refreshed: no frozen "running, steps 0".
             return (
                 f"<b>wb.Run</b> {html.escape(self.name)}: training in the background "

@@ -90,22 +90,23 @@ class RunOptions:
             raise ConfigurationError(
                 f"breakdown must be True or False; received breakdown={self.breakdown!r}."
             )
+        if not isinstance(self.resume, bool):
+            raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
             raise ConfigurationError(
                 f"max_restarts must be an integer >= 0 (heals of a run on worker processes); received "
                 f"max_restarts={self.max_restarts!r}. Fix: e.g. max_restarts=3."
             )
-        if not isinstance(self.resume, bool):
-            raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
         if self.checkpoint_every is not None and (
-            not self.checkpoint_dir
+            not (self.checkpoint_dir or self.max_restarts)  # (a healing run has a folder of its own)
             or not isinstance(self.checkpoint_every, int)
             or isinstance(self.checkpoint_every, bool)
             or self.checkpoint_every < 1
         ):
             raise ConfigurationError(
-                f"checkpoint_every needs a positive step count and a checkpoint_dir; received "
-                f"checkpoint_every={self.checkpoint_every!r}, checkpoint_dir={self.checkpoint_dir!r}."
+                f"checkpoint_every needs a positive step count and a checkpoint_dir (or max_restarts, "
+                f"which keeps its checkpoints in a temporary folder); received checkpoint_every="
+                f"{self.checkpoint_every!r}, checkpoint_dir={self.checkpoint_dir!r}."
             )
         if self.checkpoint_dir is not None:
             self.checkpoint_dir = check_writable_directory(self.checkpoint_dir)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
+
+from workbench._src.core.tracebacks import plain
 
 WINDOW_SECONDS = 10.0
 # Columns that are bookkeeping, not metrics (never plotted or listed as a metric).
@@ -79,12 +82,24 @@ def figures(columns, running: bool = False, target_steps: int | None = None) -> 
         batch = _examples_per_step(wall, eps, start, n)
         if batch is not None:
             out["examples_per_sec"] = round_rate(batch * steps / seconds)
-    timed = sorted(float(v) for v in eps[first_timed:] if _finite(v))
-    if timed:
-        out["median_examples_per_sec"] = round_rate(timed[len(timed) // 2])
+    median = median_rate(eps[first_timed:])
+    if median is not None:
+        out["median_examples_per_sec"] = round_rate(median)
     if target_steps is not None and running:
         out["eta_seconds"] = round(max(0, int(target_steps) - n) * seconds / steps, 1)
     return out
+
+
+def median_rate(per_step) -> float | None:
+    """The median of per-step rates (examples/s of each step; NaN and Inf left out): the middle
+    value, or the mean of the two middle ones. The one "median" of the workbench: the run's
+    figures (sidebar, summary, run store and compare table), the scaling table's median step
+    (global batch / this) and the dashed line of the run's figure. None without a rate."""
+    timed = sorted(float(v) for v in per_step if _finite(v))
+    if not timed:
+        return None
+    middle = len(timed) // 2
+    return timed[middle] if len(timed) % 2 else (timed[middle - 1] + timed[middle]) / 2
 
 
 def last_metrics(columns) -> dict:
@@ -205,11 +220,23 @@ def shown_reason(status: str | None, reason: str | None) -> str | None:
     'interrupted at step 12' -> 'interrupted'; anything else (an error, "input exhausted ...")
     is kept.
     """
-    import re
-
     if not reason:
         return None
+    reason = plain(reason)  # (no terminal escape codes reach the sidebar or a table)
     match = re.fullmatch(r"(stopped|interrupted) at step [\d,]+", reason.strip())
     if match:
         return None if match.group(1) == status else match.group(1)
     return reason
+
+
+def heal_line(record: dict, restarts: list) -> str:
+    """One line for the dashboard and the sidebar: "worker 1 lost (killed by SIGKILL) at step
+    312: restarted from step 300, 6.1 s (restart 1)"."""
+    where = f"step {record['step']}" if record["step"] is not None else "the start"
+    seconds = f", {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
+    lost_at = record.get("lost_at")
+    at = f" at step {lost_at}" if lost_at else ""
+    return (
+        f"{record['member']} lost ({record['cause']}){at}: restarted from {where}{seconds} "
+        f"(restart {len(restarts)})"
+    )

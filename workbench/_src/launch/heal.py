@@ -26,10 +26,12 @@ import tempfile
 import time
 
 from workbench._src.core.errors import WorkerError
+from workbench._src.core.run_stats import heal_line
 
 # How often a healing run saves when checkpoint_every is not given: a lost member costs at most
-# this many steps again. Checkpointing the digits MLP every 100 steps costs ~1% (bench/bench_heal.py);
-# lower it for slow steps, raise it for large models whose save takes long.
+# this many steps again. A save takes 15-30 ms for a small model here (bench/bench_heal.py): on
+# a toy model stepping 1,000 times a second that is a quarter of its time; on a real model
+# (0.1 s a step) 0.3%. Give checkpoint_every so that saves are seconds apart.
 HEAL_CHECKPOINT_EVERY = 100
 _PREEMPTED_MEMBER = re.compile(r"SIGTERM to (\w+ \d+)|(\w+ \d+) was preempted")
 _CHECKPOINT_NUMBER = re.compile(r"ckpt-(\d+)$")
@@ -118,16 +120,3 @@ def preempted_member_name(reason: str | None) -> str | None:
     """'worker 1' from a preempted run's reason ("(SIGTERM to worker 1)", "(worker 1 was preempted)")."""
     found = _PREEMPTED_MEMBER.search(reason or "")
     return (found.group(1) or found.group(2)) if found else None
-
-
-def heal_line(record: dict, restarts: list) -> str:
-    """One line for the dashboard and the sidebar: "worker 1 lost (killed by SIGKILL) at step
-    312: restarted from step 300, 6.1 s (restart 1)"."""
-    where = f"step {record['step']}" if record["step"] is not None else "the start"
-    seconds = f", {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
-    lost_at = record.get("lost_at")
-    at = f" at step {lost_at}" if lost_at else ""
-    return (
-        f"{record['member']} lost ({record['cause']}){at}: restarted from {where}{seconds} "
-        f"(restart {len(restarts)})"
-    )

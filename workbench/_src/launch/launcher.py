@@ -22,6 +22,7 @@ from workbench._src.core.checkpoints import checkpoint_hint
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.run_loop import drive, new_run
 from workbench._src.core.run_options import options_from
+from workbench._src.core.tracebacks import full_tracebacks
 from workbench._src.launch import pool as pools
 from workbench._src.launch import shipping
 from workbench._src.launch.heal import Healing, preempted_member_name
@@ -448,18 +449,28 @@ class _Watch:
         kind = getattr(workbench_errors, error.get("error_class") or "", None)
         if kind is not None and kind is not WorkerError:
             # The user's mistake (a bad cell, a wrong batch): the same error class and message
-            # as on an in-process backend, not a wrapper around it.
-            raise kind(error["message"])
+            # as on an in-process backend, not a wrapper around it; the process named after it.
+            raise kind(f"{error['message']}\n(raised in {_label(first)})")
         if kind is WorkerError:  # e.g. the async coordinator lost its parameter server
             raise WorkerError(error["message"], task=error.get("task") or _label(first), cause="its server stopped answering")
         summary = error["summary"]
-        # A collective that failed with no member seen to die: its peer's host or link is gone.
-        lost = summary.startswith(_PEER_LOST_ERRORS)
-        self._raise(
-            f"{_label(first)} failed{self._at_step()}: {summary}\n--- its traceback ---\n"
-            f"{_trim_traceback(error.get('traceback', ''))}",
-            None,
-            cause=summary.split(":")[0] if lost else None,
+        if summary.startswith(_PEER_LOST_ERRORS):
+            # A collective that failed with no member seen to die: its peer's host or link is gone.
+            self._raise(
+                f"{_label(first)} failed{self._at_step()}: {summary}\n--- its traceback ---\n"
+                f"{_trim_traceback(error.get('traceback', ''))}",
+                None,
+                cause=summary.split(":")[0],
+            )
+        # Any other error of the user's code: the process and the cause's own sentence first,
+        # then the frames of their code in that process (every frame under WORKBENCH_TRACEBACKS=full).
+        full = full_tracebacks() or not error.get("shown")
+        shown = _trim_traceback(error.get("traceback", "")) if full else error["shown"].strip()
+        raise WorkerError(
+            f"{_label(first)}: {error.get('cause') or summary}\n--- {_label(first)}'s traceback ---\n"
+            f"{shown}\n(The {self.launcher.backend} run failed{self._at_step()}"
+            f"{'' if full else '; WORKBENCH_TRACEBACKS=full shows every frame'}.)",
+            task=_label(first),
         )
 
     def _at_step(self) -> str:

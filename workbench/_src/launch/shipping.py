@@ -28,6 +28,7 @@ from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
 from workbench._src.core.run_loop import PreemptOnSigterm
 from workbench._src.core.tf_setup import tf
+from workbench._src.core.tracebacks import cause_line, shown_text
 from workbench._src.launch.processes import TASK_ENV
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
@@ -247,4 +248,7 @@ def format_exception(error: BaseException) -> dict:
         "message": str(error),
         "task": getattr(error, "task", None),  # a WorkerError's process, e.g. "ps 0"
         "traceback": "".join(traceback.format_exception(error)),
+        # The cause's own sentence and the frames of the user's code, for the notebook's first line
+        "cause": cause_line(error),
+        "shown": shown_text(error),
     }

@@ -26,6 +26,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from workbench._src import options
 from workbench._src.core import cells
 from workbench._src.core.errors import ConfigurationError, DeviceError
+from workbench._src.core.tracebacks import user_facing
 from workbench._src.notebook import magic_studies, session
 from workbench._src.notebook.tensorboard_view import open_tensorboard
 
@@ -101,6 +102,7 @@ class ReplicateMagics(Magics):
         help="open TensorBoard on a recorded run's event files (RUN: an id, latest (default), or all)",
     )
     @line_cell_magic
+    @user_facing
     def replicate(self, line: str = "", cell: str | None = None):
         """Sets the session's replicator, or trains step_fn/input_fn on it; training returns the wb.Run.
 

@@ -376,10 +376,17 @@ class Panel(w.VBox):
             self._cluster.value, self._cluster.disabled = self.cluster, not spec.takes_workers
         finally:
             self._syncing = False
-        self.magic_line = session.magic_line(
-            self.backend, *self._counts(), steps=self.steps, background=True, cluster=self._cluster_choice()
+        self.magic_line = equivalent_magic(
+            self.backend, self.replicas, self.workers, self.ps, self.cluster, steps=self.steps
         )
-        self._magic.value = f"equivalent magic (copy into a cell):<pre style='margin:2px 0'>{html.escape(self.magic_line)}</pre>"
+        where = (
+            "first line of the %%replicate cell that builds the model"
+            if self.magic_line.startswith("%%")
+            else "copy into a cell"
+        )
+        self._magic.value = (
+            f"equivalent magic ({where}):<pre style='margin:2px 0'>{html.escape(self.magic_line)}</pre>"
+        )
 
     def _counts(self) -> tuple:
         spec = self._spec
@@ -423,6 +430,25 @@ class Panel(w.VBox):
         import __main__
 
         return vars(__main__)
+
+
+def equivalent_magic(
+    backend: str, replicas: int, workers: int, ps: int, cluster: str = "", *, steps: int
+) -> str:
+    """The magic that does what Run does with this choice (the panel's counts that the backend
+    takes). A process backend builds the model in each of its processes, from the cell that
+    builds it (Run sends the last one): its line heads that `%%replicate` cell. Pasted as a line
+    it would train notebook functions whose model lives here, which cannot travel."""
+    spec = registry.spec(backend)
+    counts = (
+        replicas if spec.takes_replicas else None,
+        workers if spec.takes_workers else None,
+        ps if spec.takes_ps else None,
+    )
+    where = (cluster or None) if spec.takes_workers else None
+    return session.magic_line(
+        backend, *counts, steps=steps, background=True, cluster=where, cell=spec.in_processes
+    )
 
 
 def _status_html(text: str) -> str:

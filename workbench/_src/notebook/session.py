@@ -179,10 +179,12 @@ def magic_line(
     functions: tuple[str, str] | None = ("step_fn", "input_fn"),
     background: bool = False,
     cluster: str | None = None,
+    cell: bool = False,
 ) -> str:
-    """The `%replicate` line that does the same as these options (shown by the panel to copy)."""
-    parts = ["%replicate"]
-    if functions:
+    """The `%replicate` line that does the same as these options (shown by the panel to copy);
+    cell=True: the first line of a `%%replicate` cell (which names no functions)."""
+    parts = ["%%replicate" if cell else "%replicate"]
+    if functions and not cell:
         parts += list(functions)
     parts += ["--backend", backend]
     for flag, value in (

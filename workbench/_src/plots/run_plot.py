@@ -12,7 +12,7 @@ import io
 import math
 import threading
 
-from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics
+from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics, median_rate
 from workbench._src.plots import theme
 
 MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
@@ -213,11 +213,11 @@ class Plotter:
                 note = " (log scale; values <= 0 not drawn)" if zeros else " (log scale)" if log else ""
                 ax.set_title(panel + note, fontsize=12 if not zeros else 10)
             else:
-                finite = y[np.isfinite(y)]
-                median = float(np.median(finite)) if finite.size else math.nan
-                extra.set_ydata([median, median])
+                median = median_rate(y)  # (the run's median figure, as every view shows it)
+                extra.set_ydata([median, median] if median is not None else [math.nan, math.nan])
                 ax.set_title(
-                    f"examples/s (median {median:,.0f}, dashed)" if finite.size else "examples/s", fontsize=11
+                    f"examples/s (median {median:,.0f}, dashed)" if median is not None else "examples/s",
+                    fontsize=11,
                 )
             raw.set_data(x, y)
             smooth.set_data(x, smoothed)

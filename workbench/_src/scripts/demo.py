@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from workbench._src.core.run_stats import describe, fmt
 from workbench._src.core.tf_setup import tf
+from workbench._src.sinks.progress import say
 
 
 def demo(
@@ -46,6 +47,9 @@ def demo(
         correct = t.cast(t.equal(t.argmax(logits, -1, output_type=t.int32), labels), t.float32)
         return {"loss": loss, "accuracy": t.reduce_mean(correct)}
 
+    say(
+        f"training {steps} steps on {repl.num_replicas} mirrored replicas (the first call compiles step_fn)..."
+    )
     run = repl.train(step_fn, input_fn, steps=steps)
     test_accuracy = float(np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test))
     summary = run.summary()  # the run's figures, as the dashboard and the sidebar show them

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import sys
-import traceback
 from pathlib import Path
 
 from workbench._src.backends import registry
@@ -22,11 +21,12 @@ from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
 from workbench._src.core.run_loop import PreemptOnSigterm
 from workbench._src.core.run_stats import fmt
+from workbench._src.core.tracebacks import cause_line, shown_text
 from workbench._src.launch.ray_cluster import RayCluster
 from workbench._src.launch.shipping import CellSetup
 from workbench._src.notebook import session
 from workbench._src.scripts import serve_task
-from workbench._src.sinks.progress import ProgressPrinter
+from workbench._src.sinks.progress import ProgressPrinter, say
 from workbench._src.studies.scaling import SUMMARY_COLUMNS, scaling_study
 
 # `workbench run`'s exit status when preempted (SIGTERM): sysexits.h's EX_TEMPFAIL, "a temporary
@@ -68,7 +68,14 @@ def run_file(args) -> int:
             from workbench._src.launch import fork_server
 
             fork_server.prestart()  # its TensorFlow import starts now, while this process goes on
+        # What the next seconds (up to a minute on Ray) do, said before they start.
+        ships = backend.in_processes and (not args.cluster or _on_ray(args))
+        if not ships:
+            say(f"importing TensorFlow, then running {path.name}...")
         repl = _make_replicator(args)
+        if ships:
+            where = f"on Ray ({args.cluster}), which starts first" if args.cluster else "here"
+            say(f"starting {_processes(repl)} {where}; each imports TensorFlow and runs {path.name}...")
         namespace = {"__name__": "__workbench_run__", "__file__": str(path.resolve())}
         # Processes this one starts (locally or on Ray) run the file themselves: it runs only there,
         # as the notebook's cell would without the notebook's copy of the model, which a script
@@ -142,6 +149,10 @@ def scale_file(args) -> int:
     counts = args.replicas  # a list: options.replica_counts parsed it
 
     backend = registry.spec(args.backend)
+    say(
+        f"importing TensorFlow, then timing {args.steps} steps at each of {len(counts)} replica counts "
+        f"({','.join(map(str, counts))}), each compiled first..."
+    )
     if backend.takes_replicas:  # devices of this process (a machine with GPUs keeps its GPUs)
         tf_setup.configure_devices(cpus=args.cpus or max(8, *counts))
     # A fresh namespace per configuration; the source (not a code object) so that it also
@@ -182,7 +193,7 @@ def _report_failure(error: Exception, args) -> int:
     written up to the failure, then TensorFlow's details for anything that is not ours."""
     failed = getattr(error, "run", None)
     where = f" after step {failed.steps}" if failed is not None else ""  # (in a fused chunk: somewhere after)
-    first, *rest = (str(error) or type(error).__name__).splitlines() or [""]
+    first = cause_line(error)  # the innermost error's own sentence, not a wrapper's first line
     # (Ours already says what failed; only TensorFlow's errors are read for a lost peer.)
     peer = None if isinstance(error, WorkbenchError) else _lost_peer(error, args)
     if isinstance(error, WorkbenchError):
@@ -193,13 +204,13 @@ def _report_failure(error: Exception, args) -> int:
             file=sys.stderr,
         )
     else:
-        print(f"workbench run: the run failed{where}: {type(error).__name__}: {first}", file=sys.stderr)
+        print(f"workbench run: the run failed{where}: {first}", file=sys.stderr)
     if args.history and failed is not None:  # the rows up to the failure are kept
         failed.history.to_csv(args.history, index=False)
         print(f"workbench run: history up to step {failed.steps}: {args.history}", file=sys.stderr)
     if not isinstance(error, WorkbenchError):
-        print("--- details ---", file=sys.stderr)
-        traceback.print_exception(error, file=sys.stderr)
+        print("--- details ---", file=sys.stderr)  # the file's frames (every one: WORKBENCH_TRACEBACKS=full)
+        print(shown_text(error), file=sys.stderr, end="")
     return 2 if isinstance(error, ConfigurationError) else 1
 
 
@@ -272,6 +283,16 @@ def _check_options(args) -> None:
 def _on_ray(args) -> bool:
     """--cluster ray[=ADDRESS]: this process places the workers on a Ray cluster (no TF_CONFIG)."""
     return bool(args.cluster) and args.cluster.partition("=")[0].strip() == "ray"
+
+
+def _processes(repl) -> str:
+    """'4 processes (2 workers, 1 parameter server, a coordinator)': what a run here starts."""
+    coordinators = sum(task.role == "coordinator" for task in repl.plan.tasks())
+    workers, ps = repl.plan.num_workers, getattr(repl.plan, "num_ps", 0)
+    parts = [f"{workers} worker{'s' * (workers != 1)}"]
+    parts += [f"{ps} parameter server{'s' * (ps != 1)}"] if ps else []
+    parts += ["a coordinator"] if coordinators else []
+    return f"{workers + ps + coordinators} processes ({', '.join(parts)})"
 
 
 def _make_replicator(args):

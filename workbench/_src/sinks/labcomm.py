@@ -58,7 +58,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from workbench._src.core.run_stats import RESERVED, figures, shown_reason
+from workbench._src.core.run_stats import RESERVED, figures, heal_line, shown_reason
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.launch import pool as warm_pools  # (no TensorFlow: the registry and its processes)
 from workbench._src.notebook import session
@@ -372,6 +372,7 @@ class _RunWatcher:
 
     def __init__(self, run):
         self.run = run  # dropped at the end: a finished run's history is not kept alive here
+        self.restarts = run.restarts  # its heals (the list itself: a heal's seconds come later)
         self.run_id, self.name = run.id, run.name
         config = run.config
         self.backend = config.get("backend")
@@ -483,6 +484,8 @@ class _RunWatcher:
             "eta_seconds": fig["eta_seconds"],
             "group": self.group,
             "warmup": self.warmup,
+            # The last heal in one line (launch/heal.py): "worker 1 lost (...) at step 312: ...".
+            "heal": heal_line(self.restarts[-1], self.restarts) if self.restarts else None,
             "started": self.started,
             "ended": self.ended,
         }

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from workbench._src.backends import registry
 from workbench._src.core.errors import ConfigurationError
-from workbench._src.core.run_stats import figures, fmt
+from workbench._src.core.run_stats import figures, fmt, median_rate
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.plots.scaling_plot import draw, png_bytes
 from workbench._src.sinks.scaling_live import live_sink
@@ -74,16 +74,20 @@ def batch_sizes(mode: Mode, batch_size: int, replicas: int) -> tuple[int, int]:
     return batch_size, batch_size // replicas
 
 
-def step_time_stats(step_seconds: Sequence[float]) -> dict[str, float]:
-    """Median, p90 and mean of per-step times (seconds); NaN-free input expected."""
+def step_time_stats(global_batch: int, examples_per_sec: Sequence[float]) -> dict[str, float]:
+    """Median, p90 and mean step time (seconds) of a run's per-step examples/s. The median step
+    is the run's median rate (run_stats.median_rate, as the sidebar and the run store show it):
+    global batch / median step time is that figure exactly."""
     import numpy as np
 
-    t = np.asarray(step_seconds, dtype=float)
-    if t.size == 0:
+    rates = np.asarray(examples_per_sec, dtype=float)
+    rates = rates[np.isfinite(rates) & (rates > 0)]
+    if rates.size == 0:
         nan = float("nan")
         return {"step_time_median_s": nan, "step_time_p90_s": nan, "step_time_mean_s": nan}
+    t = global_batch / rates
     return {
-        "step_time_median_s": float(np.median(t)),
+        "step_time_median_s": global_batch / median_rate(rates),
         "step_time_p90_s": float(np.percentile(t, 90)),
         "step_time_mean_s": float(t.mean()),
     }
@@ -393,7 +397,7 @@ def scaling_study(
                      "steps": int(run.steps), "steps_per_execution": steps_per_execution,
                      "examples_per_sec": run_figures["examples_per_sec"],
                      "steps_per_sec": run_figures["steps_per_sec"],
-                     **step_time_stats(global_batch / eps), "compile_seconds": compile_seconds,
+                     **step_time_stats(global_batch, eps), "compile_seconds": compile_seconds,
                      # worker processes started and joined (multi-worker); NaN in one process
                      "startup_seconds": getattr(run, "startup_seconds", float("nan")),
                      "backend": repl.backend, **breakdown_columns(run), **load.reading(),

@@ -1,0 +1,135 @@
+"""What healing costs: periodic checkpoints' throughput, and the time a heal takes.
+
+Run: python bench/bench_heal.py [--steps 3000] [--repeats 3]
+     python bench/bench_heal.py --cluster ray=local   (the heal on Ray actors too)
+
+1. Checkpoint cost (issue 40's goal: <= 5%): the digits MLP 64-128-128-10, batch 128, trained on
+   one device in this process with checkpoint_every=100 and without (the anchor), interleaved
+   `--repeats` times in one invocation; printed: each one's median steps/s and their ratio.
+2. Heal time (goal: <= 10 s on a local pool): multi-worker x2, max_restarts=1, worker 1
+   SIGKILLed at step 300 of 600; printed: run.restarts[0]["seconds"] (the loss known -> the next
+   step recorded: new processes, cluster join, restore, retrace) and the steps trained again.
+   With --cluster, the same on a Ray-placed pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+
+
+def digits_setup(repl):
+    import keras
+    import tensorflow as tf
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16).astype("float32"), y.astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, "relu"),
+            keras.layers.Dense(128, "relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    optimizer = repl.wrap_optimizer(keras.optimizers.Adam(1e-3))
+
+    def input_fn(ctx):
+        return (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(2048, seed=0)
+            .repeat()
+            .batch(128, drop_remainder=True)
+        )
+
+    def step_fn(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            )
+        optimizer.apply_gradients(
+            zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+        )
+        return {"loss": loss}
+
+    return step_fn, input_fn
+
+
+def steps_per_sec(run) -> float:
+    """Over the run's last four fifths (its first calls trace and size the chunks)."""
+    history = run.history
+    tail = history.iloc[len(history) // 5 :]
+    return (len(tail) - 1) / (tail["wall_time"].iloc[-1] - tail["wall_time"].iloc[0])
+
+
+def checkpoint_cost(wb, steps: int, repeats: int) -> None:
+    measured: dict[str, list[float]] = {"none": [], "every 100": []}
+    for _ in range(repeats):
+        for label, every in (("none", None), ("every 100", 100)):
+            folder = tempfile.mkdtemp(prefix="bench-heal-")
+            try:
+                options = {"checkpoint_dir": folder, "checkpoint_every": every} if every else {}
+                run = wb.NonReplicator().train(setup=digits_setup, steps=steps, warmup=20, **options)
+                measured[label].append(steps_per_sec(run))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+    base, saved = statistics.median(measured["none"]), statistics.median(measured["every 100"])
+    print(f"load {os.getloadavg()[0]:.1f} · {steps} steps x {repeats}, interleaved")
+    print(
+        f"  no checkpoints        {base:8.1f} steps/s   (each: {', '.join(f'{v:.0f}' for v in measured['none'])})"
+    )
+    print(
+        f"  checkpoint_every=100  {saved:8.1f} steps/s   (each: {', '.join(f'{v:.0f}' for v in measured['every 100'])})"
+    )
+    print(f"  ratio {saved / base:.3f}  (cost {100 * (1 - saved / base):.1f}%; goal <= 5%)")
+
+
+def heal_time(wb, cluster=None, label="local") -> None:
+    repl = wb.MultiWorkerReplicator(num_workers=2, cluster=cluster)
+    repl.train(setup=digits_setup, steps=20)  # a warm pool, as in a notebook after its first run
+    folder = tempfile.mkdtemp(prefix="bench-heal-")
+    try:
+        run = repl.train(
+            setup=digits_setup, steps=600, checkpoint_dir=folder, checkpoint_every=100, max_restarts=1,
+            background=True,
+        )  # fmt: skip
+        while run.steps < 300 and run.running:
+            time.sleep(0.01)
+        pid = next(p["pid"] for p in run.processes if p["role"] == "worker" and p["index"] == 1)
+        os.kill(pid, signal.SIGKILL)  # (a local Ray instance's actors are processes of this machine too)
+        run.wait(600)
+        heal = run.restarts[0]
+        print(
+            f"heal on {label}: {heal['seconds']:.1f} s from the loss to the next step (goal <= 10 s "
+            f"local); lost at step {heal['lost_at']}, resumed from {heal['step']}: "
+            f"{heal['lost_at'] - heal['step']} steps trained again; load {os.getloadavg()[0]:.1f}"
+        )
+    finally:
+        repl.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cluster", help="also heal on a Ray-placed pool: ray, ray=ADDRESS or ray=local")
+    args = parser.parse_args()
+    import workbench as wb
+
+    checkpoint_cost(wb, args.steps, args.repeats)
+    heal_time(wb)
+    if args.cluster:
+        heal_time(wb, wb.RayCluster.from_option(args.cluster), label=args.cluster)
+
+
+if __name__ == "__main__":
+    main()
