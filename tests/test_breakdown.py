@@ -251,3 +251,63 @@ def test_two_hosts_over_a_100_mbit_link_are_communication_bound(tmp_path):
             assert summary["breakdown"].startswith("communication-bound: "), summary["breakdown"]
     finally:
         hosts.close()
+
+
+RAY_DRIVER = """
+import json, sys
+import workbench as wb
+
+cell, head = sys.argv[1], sys.argv[2]
+cluster = wb.RayCluster(address=head, resources_per_worker={"CPU": 1}, placement="spread")
+run = wb.MultiWorkerReplicator(num_workers=2, cluster=cluster).train_cell(cell, {}, steps=60)
+table = run.breakdown()
+print("RESULT " + json.dumps({"nodes": sorted(p["node"] for p in run.processes),
+                              "rows": table.reset_index().to_dict(orient="records"),
+                              "diagnosis": run.diagnosis()}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_ray_nodes_over_a_100_mbit_link_are_communication_bound(tmp_path):
+    """The steering bar's network case as stated: a two-node Ray cluster in two network
+    namespaces whose veth pair tc limits to 100 Mbit/s, multi-worker x2 spread, the 256-wide
+    4-layer MLP on batches of 16: both workers' rows say communication >= 50%."""
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+    from two_hosts import RayNodes, TwoHosts
+
+    hosts = TwoHosts()
+    nodes = RayNodes(hosts)
+    try:
+        for name, link in zip(hosts.names, hosts.links):
+            subprocess.run(
+                ["ip", "netns", "exec", name, "tc", "qdisc", "replace", "dev", link, "root", "tbf",
+                 "rate", "100mbit", "burst", "64kb", "latency", "200ms"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        nodes.start(tmp_path)
+        script = tmp_path / "driver.py"
+        script.write_text(RAY_DRIVER)
+        cell = COMMUNICATION_BOUND_MODEL
+        out = subprocess.run(
+            ["ip", "netns", "exec", hosts.names[0], sys.executable, str(script), cell, nodes.head],
+            env={**os.environ, **nodes.env, "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")},
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        )  # fmt: skip
+        said = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        assert said, out.stderr[-4000:]
+        result = json.loads(said[0].split(" ", 1)[1])
+        assert result["nodes"] == sorted(hosts.addresses), result  # spread: one worker per node
+        rows = result["rows"]
+        assert [r["worker"] for r in rows] == [0, 1], rows
+        for row in rows:
+            parts = sum(row[k] for k in PARTS)
+            assert row["communication"] / parts >= 0.5, row
+            assert 0.85 < parts / row["step"] < 1.15, row
+        assert result["diagnosis"].startswith("communication-bound: "), result["diagnosis"]
+    finally:
+        hosts.close()
+        nodes.close()
