@@ -111,11 +111,13 @@ NO_STOP, STOP, PREEMPT = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class Event:
     """Something that happened in a run. kind: started | metrics | checkpoint | message |
-    renamed | restart | ended.
+    breakdown | renamed | restart | ended.
 
     `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
     for metrics: {"rows": [ {step (from the run's start), wall_time, examples_per_sec,
     global_step (the program's), examples (this step's global batch), <metrics>}, ... ]};
+    for breakdown: {"rows": [ {worker, input, compute, communication, other, step, steps}, ...
+    ], "text": the diagnosis sentence} (seconds per step; core/breakdown.py);
     for renamed: {"name", "tags"}; for restart (a heal, launch/heal.py): {"member", "cause",
     "step" (the checkpoint's global step), "run_step" (the run's step the history was rewound
     to: rows after it are dropped and come again), "lost_at", "seconds"}.
@@ -170,6 +172,7 @@ class Run:
         self.processes: list[dict] = []
         self._columns: dict[str, list] = {}
         self._rows = 0
+        self._breakdown: dict[int, dict] = {}  # worker -> its latest breakdown row (breakdown.py)
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
         self._interrupted = False  # the stop came from Ctrl-C / a kernel interrupt
@@ -188,6 +191,29 @@ class Run:
 
         with self._lock:
             return pd.DataFrame({k: list(v) for k, v in self._columns.items()})
+
+    def breakdown(self):
+        """Where a step's time goes, one row per worker (one in process): `input` (waiting for
+        input_fn), `compute`, `communication` (collectives or parameter-server traffic, waiting
+        for peers included), `other` (host and Python overhead), in seconds per step adding up to
+        `step` (measured), from a sample of `steps`; empty with breakdown=False. A DataFrame."""
+        from workbench._src.core import breakdown
+
+        return breakdown.frame(self._breakdown_rows(), self.config.get("backend"))
+
+    def diagnosis(self) -> str:
+        """breakdown() in one sentence: what dominates a step and the likely fix."""
+        from workbench._src.core import breakdown
+
+        return breakdown.rows_diagnosis(self._breakdown_rows(), self.config.get("backend"))
+
+    def record_breakdown(self, row: dict) -> None:
+        """Keeps a worker's latest breakdown row; publishes "breakdown" (all rows, the sentence)."""
+        self._breakdown[int(row.get("worker", 0))] = dict(row)  # (one assignment: atomic)
+        self.publish("breakdown", rows=self._breakdown_rows(), text=self.diagnosis())
+
+    def _breakdown_rows(self) -> list[dict]:
+        return [dict(r) for _, r in sorted(dict(self._breakdown).items())]
 
     @property
     def steps(self) -> int:
@@ -220,6 +246,8 @@ class Run:
             if fig[key] is not None:
                 out[key] = fig[key]
         out.update(last_metrics(h))
+        if self._breakdown:
+            out["breakdown"] = self.diagnosis()
         if getattr(self, "startup", None):  # a launched run: seconds per phase of its start
             out["startup"] = dict(self.startup)
         return out

@@ -299,6 +299,7 @@ class _RunWatcher:
         self.group, self.warmup = study_group(run.name)
         self.status = "created"
         self.reason: str | None = None
+        self.breakdown: str | None = None  # run.diagnosis(): where a step's time goes
         self.foreground = True
         self.stop_requested = False
         self.first_step: int | None = None
@@ -349,6 +350,8 @@ class _RunWatcher:
             if time.monotonic() - self._last_push >= MIN_INTERVAL:
                 self._refigure()
                 self._send_now()
+        elif event.kind == "breakdown":
+            self.breakdown = event.data.get("text") or None  # the card's line under the figures
         elif event.kind == "ended":
             self.status, self.reason = event.data.get("status"), event.data.get("reason")
             self.ended = event.time
@@ -384,6 +387,7 @@ class _RunWatcher:
             "num_workers": self.num_workers,
             "status": self.status,
             "reason": shown_reason(self.status, self.reason),
+            "breakdown": self.breakdown,
             "foreground": self.foreground,
             "stop_requested": self.stop_requested,
             "first_step": self.first_step,

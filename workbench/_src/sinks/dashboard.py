@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from workbench._src.core.run import Event
 from workbench._src.core.run_stats import figures, shown_reason
-from workbench._src.plots import run_plot
+from workbench._src.plots import breakdown_plot, run_plot
 from workbench._src.sinks.dashboard_view import (
     DashboardView,
     Frontend,
@@ -102,6 +102,7 @@ class Dashboard(DashboardView):
         self.config: dict = {}
         self.first_step = 1
         self.message: str | None = None
+        self.breakdown: dict | None = None  # the last "breakdown" event's data (rows, text)
         self.png: bytes | None = None  # the last figure drawn
         self.renders = 0
         self.render_seconds = 0.0
@@ -149,6 +150,8 @@ class Dashboard(DashboardView):
             self.heals.append(event.data["run_step"])
         elif event.kind == "renamed":
             self.name = event.data.get("name") or self.name
+        elif event.kind == "breakdown":
+            self.breakdown = dict(event.data)
         elif event.kind == "ended":
             self.run_id = self.run_id or event.run_id
             self.name = self.name or event.data.get("name") or _name_from_id(event.run_id)
@@ -278,3 +281,7 @@ class Dashboard(DashboardView):
         if self.frontend == "widgets":
             reason = shown_reason(self.status, (self._ended or {}).get("reason"))
             self._header.value = _status_html(title, self.message, reason)
+            if self.breakdown:  # where a step's time goes: a stacked bar per worker, a sentence
+                self._breakdown_bar.value = breakdown_plot.bar_html(
+                    self.breakdown["rows"], self.breakdown.get("text", "")
+                )
