@@ -154,3 +154,7 @@ def test_tensorflows_runtime_error_texts_give_their_sentence():
     eager = "{{function_node __wrapped__AddV2_device_/job:localhost/replica:0/task:0/device:CPU:0}} Incompatible shapes: [3] vs. [4] [Op:AddV2] name: "
     assert op_error_sentence(eager) == ("Incompatible shapes: [3] vs. [4]", None)
     assert op_error_sentence("name 'x' is not defined") is None
+    # An op made inside tf.data (an assertion in a dataset's map) has no Python frames to list.
+    data = "Graph execution error:\n\nDetected at node assert/Assert defined at (most recent call last):\n"
+    data += "<stack traces unavailable>\nassertion failed: [batch must be 64] [x = ] [32]\n\t [[{{node assert/Assert}}]]"
+    assert op_error_sentence(data) == ("assertion failed: [batch must be 64] [x = ] [32]", "assert/Assert")

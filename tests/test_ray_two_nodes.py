@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from helpers import PROCESS_CELL
-from two_hosts import TwoHosts
+from two_hosts import RayNodes, TwoHosts
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -58,65 +55,6 @@ except wb.WorkerError as e:
     error = str(e)
 print("CUT " + json.dumps({"error": error, "seconds": time.monotonic() - cut, "status": run.status}), flush=True)
 """
-
-
-class RayNodes:
-    """`ray start` on each of the two hosts, with a token; ended with the hosts (TwoHosts.close)."""
-
-    def __init__(self, hosts: TwoHosts):
-        self.hosts = hosts
-        self.head = f"{hosts.addresses[0]}:6379"
-        self.env = {
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": secrets.token_hex(16),
-            "RAY_USAGE_STATS_ENABLED": "0",
-        }
-        # Ray's files of its own (not the machine's /tmp/ray, which other clusters may use); short,
-        # as its Unix socket paths must stay under 108 bytes.
-        self.temp_dirs = [tempfile.mkdtemp(prefix="wbray", dir="/tmp") for _ in range(2)]
-
-    def start(self, log_dir: Path) -> None:
-        ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", "--num-cpus=1"]
-        self._start(
-            0,
-            [
-                *ray,
-                "--head",
-                f"--node-ip-address={self.hosts.addresses[0]}",
-                "--port=6379",
-                "--include-dashboard=false",
-                f"--temp-dir={self.temp_dirs[0]}",
-            ],
-            log_dir / "ray-head.log",
-        )
-        self._start(
-            1,
-            [
-                *ray,
-                f"--address={self.head}",
-                f"--node-ip-address={self.hosts.addresses[1]}",
-                f"--temp-dir={self.temp_dirs[1]}",
-            ],
-            log_dir / "ray-node.log",
-        )
-
-    def _start(self, host: int, argv: list[str], log_path: Path) -> None:
-        # Ray gives a node's raylet a fixed 30 s to register: under `-n 3` a start once took
-        # longer ("timed out during startup"). Tried twice, as the workbench's local start is,
-        # the first try's processes ended first (by pid: the namespace holds only Ray's yet).
-        for attempt in (1, 2):
-            with open(log_path, "w") as log:
-                code = self.hosts.popen(host, argv, self.env, log).wait(timeout=120)
-            if code == 0 or attempt == 2 or "timed out during startup" not in log_path.read_text():
-                break
-            self.hosts.kill_all(host)
-            shutil.rmtree(self.temp_dirs[host], ignore_errors=True)
-            os.mkdir(self.temp_dirs[host])
-        assert code == 0, f"`ray start` failed on host {host}:\n{log_path.read_text()[-3000:]}"
-
-    def close(self) -> None:
-        for folder in self.temp_dirs:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

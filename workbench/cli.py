@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--out", default="scaling.png", metavar="PNG", help="where to write the figure")
     scale.add_argument("--csv", help="also write the table to this CSV file")
     scale.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="measure each configuration this many times, interleaved (spread)",
+    )
+    scale.add_argument(
         "--threads",
         type=int,
         metavar="N",

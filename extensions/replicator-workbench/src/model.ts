@@ -37,6 +37,8 @@ export interface IRunInfo {
   num_workers: number | null;
   status: string;
   reason: string | null;
+  /** Where a step's time goes, one sentence (run.diagnosis()); absent from older kernels. */
+  breakdown?: string | null;
   foreground: boolean;
   stop_requested: boolean;
   first_step: number | null;

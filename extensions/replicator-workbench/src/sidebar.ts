@@ -463,6 +463,9 @@ export class ReplicatorSidebar extends Widget {
     };
     update(run);
     this._rows.set(run.id, update);
+    if (run.breakdown) {
+      row.append(el('div', 'wb-run-breakdown', run.breakdown));
+    }
     if (isRunning(run)) {
       const stop = button('Stop', 'wb-stop', () => this.actions.stop(run.id));
       stop.title = run.foreground
@@ -509,7 +512,7 @@ function structureKey(state: LinkState, snapshot: ISnapshot | null, notebookName
     notebookName,
     snapshot?.devices ?? null,
     snapshot?.replicator ?? null,
-    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason, r.heal ?? null]),
+    (snapshot?.runs ?? []).map(r => [r.id, r.status, r.stop_requested, r.reason, r.heal ?? null, r.breakdown ?? null]),
     poolsOf(snapshot).map(p => [p.backend, p.workers, p.processes, p.state, p.runs, p.idle_timeout, p.placement])
   ]);
 }

@@ -8,6 +8,7 @@ import re
 import threading
 import time
 
+from workbench._src.backends.async_breakdown import AsyncBreakdown
 from workbench._src.backends.worker_watch import WorkerWatch
 from workbench._src.core.errors import InputError, WorkerError
 from workbench._src.core.inputs import InputContext, call_input_fn
@@ -24,6 +25,8 @@ FETCH_FLOOR = 0.25  # seconds any chunk is waited for past a grace: a finished o
 class AsyncProgram(Program):
     """A (step_fn, input_fn) pair traced on the coordinator and scheduled on the workers."""
 
+    # Its chunks read the clock on the workers; communication is timed apart (async_breakdown.py).
+
     def __init__(self, replicator, step_fn, input_fn):  # noqa: D107 - Program's, minus its input
         if not callable(step_fn):
             Program(replicator, step_fn, input_fn)  # raises its clear error
@@ -31,6 +34,7 @@ class AsyncProgram(Program):
         self.steps_done = 0
         self.input_position = 0  # (not kept: see fast_forward)
         self.fused_traced = False
+        self.traced_variants: set = set()
         self.metric_names = None
         t = tf()
         strategy = replicator.strategy
@@ -75,11 +79,12 @@ class AsyncProgram(Program):
     def _step_taken(self):
         self.replicator.executed_steps.assign_add(1)  # our exact count, on a parameter server
 
-    def schedule(self, n: int):
+    def schedule(self, n: int, timed: bool = False):
         t = tf()
         coordinator = self.replicator.coordinator
+        self.traced_variants.add(timed)
         return call_compiled(
-            lambda it, k: coordinator.schedule(self._fused, args=(it, k)), self.iterator, t.constant(n)
+            lambda it, k: coordinator.schedule(self._fused, args=(it, k, timed)), self.iterator, t.constant(n)
         )
 
     def run_one(self):
@@ -104,9 +109,12 @@ class CoordinatorExecutor:
         self.watch: WorkerWatch | None = None  # probes the workers of a cluster we did not start
         self._stop_seen: float | None = None  # when this run's stop request was first seen
         self._left_behind = False
+        self.breakdown: AsyncBreakdown | None = None
 
     def start(self, run) -> None:
         self.run = run
+        if self.program.timing:
+            self.breakdown = AsyncBreakdown(self.program, run)
         self.executed_before = int(self.repl.executed_steps.numpy())
         timeout = self.repl.plan.worker_timeout
         if self.repl.servers is None and timeout and self.repl.worker_addresses:
@@ -117,7 +125,10 @@ class CoordinatorExecutor:
         return k, stop
 
     def submit(self, k: int):
-        return self.program.schedule(k), time.monotonic()  # (when: see _abandon)
+        # A sample of chunks reads the clock (never the first: it traces); see async_breakdown.py.
+        timed = bool(self.breakdown and self.program.fused_traced and self.breakdown.wants_sample())
+        first_run = timed and timed not in self.program.traced_variants
+        return self.program.schedule(k, timed), time.monotonic(), (timed, first_run)
 
     def collect(self, handle):
         """(rows, steps done) of a scheduled chunk, or None when it was lost with a dead worker.
@@ -125,7 +136,7 @@ class CoordinatorExecutor:
         The fetch blocks in TensorFlow (for as long as a worker is missing), so it runs on a
         daemon thread while this one watches the servers: a dead parameter server, or no worker
         left, ends the run within a fraction of a second instead of never."""
-        remote, submitted = handle
+        remote, submitted, (timed, first_run) = handle
         box: dict = {}
         fetched = threading.Event()
 
@@ -149,8 +160,13 @@ class CoordinatorExecutor:
         self._check_servers()
         if "error" in box:
             return self._lost_or_raise(box["error"])
-        rows, done = box["value"]
+        import numpy as np  # (here: `import workbench` loads no numpy)
+
+        rows, done = box["value"][:2]
         done = int(done)
+        if self.breakdown is not None:
+            marks = np.asarray(box["value"][2])[:done] if timed else None
+            self.breakdown.chunk(done, marks, first_run)
         self.program.steps_done += done
         if not self.program.fused_traced:
             self.program.fused_traced = True
@@ -159,8 +175,6 @@ class CoordinatorExecutor:
             # the GIL: with a worker's host cut off, that froze the whole coordinator (Ctrl-C
             # included) until TCP gave up, minutes later.
             gc.collect()
-        import numpy as np  # (here: `import workbench` loads no numpy)
-
         return np.asarray(rows)[:done], done
 
     def _abandon(self, submitted: float, waiting_since: float) -> bool:
@@ -280,6 +294,8 @@ class CoordinatorExecutor:
     def close(self) -> None:
         if self.watch is not None:
             self.watch.stop()
+        if self.breakdown is not None and self.healthy():
+            self.breakdown.close()
         run = self.run
         if run is None or not self.healthy():
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from workbench._src.core.breakdown import BreakdownRecorder
 from workbench._src.core.run import Run
 
 
@@ -50,11 +51,15 @@ class InProcessExecutor:
         self.program = program
         self.agree = agree
         self.replicas_per_step = program.replicator.num_replicas  # metrics arrive summed over them
+        self.breakdown = None  # a BreakdownRecorder while a run with breakdown=True goes
 
     def start(self, run) -> None:
-        pass
+        if self.program.timing and self.program.can_time:
+            self.breakdown = BreakdownRecorder(run, worker=self.program.replicator.worker_id)
 
     def submit(self, k: int):
+        if self.breakdown is not None:  # a sample of chunks reads the clock (core/breakdown.py)
+            return self.breakdown.run_chunk(self.program, k)
         return self.program.run_fused(k)  # runs now; program.steps_done advances
 
     def collect(self, handle):
@@ -75,4 +80,5 @@ class InProcessExecutor:
         return True
 
     def close(self) -> None:
-        pass
+        if self.breakdown is not None:
+            self.breakdown.close()

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from workbench._src import compat
-from workbench._src.core import reaper
+from workbench._src.core import reaper, step_clock
 from workbench._src.core.errors import InputError, StepFunctionError, WorkbenchError
 from workbench._src.core.inputs import SPLIT_ASSERT_MARKER, distribute_input
 from workbench._src.core.optimizer import OptimizerNeedsBuild
@@ -36,6 +36,12 @@ class Program:
     # The input never runs out (tf.data.INFINITE_CARDINALITY): the fused loop needs no end check.
     # A class default, so subclasses with their own input (async-ps) keep the checked loop.
     infinite_input = False
+    # The fused loop reads the clock in every step (step_clock.py) for run.breakdown(); the run
+    # loop sets it from RunOptions.breakdown. A subclass whose chunks run elsewhere may refuse.
+    can_time = True
+    timing = False
+    last_marks = None  # the last chunk's clock readings [steps, step_clock.MARKS], when timed
+    collective_bytes = 0  # bytes step_fn's collectives carry per replica and step (timed trace)
 
     def __init__(self, replicator, step_fn: Callable, input_fn: Callable):
         if not callable(step_fn):
@@ -49,6 +55,8 @@ class Program:
         self.steps_done = 0  # steps this program has run (all calls), also restored from checkpoints
         self.input_position = 0  # batches its input has given (restored: where a checkpoint left it)
         self.fused_traced = False  # the fused loop has run once: later calls do not trace it again
+        self.traced_variants: set = set()  # timing on/off: each is its own trace
+        self.executed_variants: set = set()  # run at least once (the first run instantiates it)
         self.metric_names: list[str] | None = None  # scalar outputs, found while tracing
         t = tf()
         self._one_step = t.function(self._one_step_graph)
@@ -102,13 +110,27 @@ class Program:
         values = [t.cast(v, t.float32) for _, v in scalars]
         return t.stack(values + [batch_size])
 
+    def _timed_metrics_step(self, batch):
+        """_metrics_step, and the seconds this replica spent inside collectives (step_clock)."""
+        with step_clock.CollectiveTimer() as timer:
+            row = self._metrics_step(batch)
+        self.collective_bytes = timer.bytes  # (while tracing; every replica traces the same)
+        return row, timer.seconds()
+
     # ----- compiled functions -------------------------------------------------------------
     def _one_step_graph(self, iterator):
         return self.replicator.strategy.run(self.call_step_fn, args=(next(iterator),))
 
-    def _fused_graph(self, iterator, n):
+    def _fused_graph(self, iterator, n, timed=False):
+        # timed (a Python bool: its own trace) adds clock readings to every step, in a float64
+        # TensorArray `marks` of [begin, ready, end, comm] rows (step_clock.py says what each is).
         t = tf()
         strategy = self.replicator.strategy
+        clock = step_clock
+        marks = t.TensorArray(
+            t.float64, size=n if timed else 0, dynamic_size=timed and not self.infinite_input
+        )
+        step = self._timed_metrics_step if timed else self._metrics_step
         if self.infinite_input and self.replicator.spec.local_rows:
             # The hand-written loop, with the metric rows summed over replicas once per chunk, not
             # once per step: each local replica keeps its own rows on its own device, and a single
@@ -123,8 +145,19 @@ class Program:
                 with t.device(device):
                     tables.append(t.TensorArray(t.float32, size=n))
             for i in t.range(n):
-                per_replica = strategy.run(self._metrics_step, args=(next(iterator),))
-                local = strategy.experimental_local_results(per_replica)
+                if timed:
+                    begin = t.timestamp()  # (no wait for the previous step: see step_clock.py)
+                    with t.control_dependencies([begin]):
+                        batch = next(iterator)
+                    ready = clock.stamp_after(batch)
+                    rows_here, comm = strategy.run(step, args=(batch,))
+                    local = strategy.experimental_local_results(rows_here)
+                    comms = strategy.experimental_local_results(comm)
+                    end = clock.stamp_after([local, comms])
+                    marks = marks.write(i, t.stack([begin, ready, end, t.add_n(comms) / len(comms)]))
+                else:
+                    per_replica = strategy.run(step, args=(next(iterator),))
+                    local = strategy.experimental_local_results(per_replica)
                 tables = [table.write(i, row) for table, row in zip(tables, local)]
                 self._step_taken()
             stacks = []
@@ -134,27 +167,60 @@ class Program:
             rows = strategy.experimental_distribute_values_from_function(
                 lambda ctx: stacks[ctx.replica_id_in_sync_group % len(stacks)]
             )
-            return strategy.reduce("SUM", rows, axis=None), n
+            summed = strategy.reduce("SUM", rows, axis=None)
+            return (summed, n, marks.stack()) if timed else (summed, n)
         if self.infinite_input:
             # The loop a TensorFlow expert writes by hand: no end-of-input check in the body.
             rows = t.TensorArray(t.float32, size=n)
             for i in t.range(n):
-                per_replica = strategy.run(self._metrics_step, args=(next(iterator),))
-                rows = rows.write(i, strategy.reduce("SUM", per_replica, axis=None))
+                if timed:
+                    begin = t.timestamp()  # (no wait for the previous step: see step_clock.py)
+                    with t.control_dependencies([begin]):
+                        batch = next(iterator)
+                    ready = clock.stamp_after(batch)
+                    rows_here, comm = strategy.run(step, args=(batch,))
+                    comms = strategy.experimental_local_results(comm)
+                    computed = clock.stamp_after([strategy.experimental_local_results(rows_here), comms])
+                    summed = strategy.reduce("SUM", rows_here, axis=None)
+                    end = clock.stamp_after(summed)  # the metric reduction is communication too
+                    spent = t.add_n(comms) / len(comms) + (end - computed)
+                    marks = marks.write(i, t.stack([begin, ready, end, spent]))
+                else:
+                    summed = strategy.reduce("SUM", strategy.run(step, args=(next(iterator),)), axis=None)
+                rows = rows.write(i, summed)
                 self._step_taken()
-            return rows.stack(), n
+            return (rows.stack(), n, marks.stack()) if timed else (rows.stack(), n)
         # A finite (or unknown) input may end inside the chunk: stop there, cleanly.
         rows = t.TensorArray(t.float32, size=0, dynamic_size=True)
         done = t.constant(0)
+        begin = t.constant(0.0, t.float64)  # (AutoGraph: read after the loop's `break`, so defined before)
         for i in t.range(n):
-            optional = iterator.get_next_as_optional()
-            if not optional.has_value():
+            if timed:
+                begin = t.timestamp()  # (no wait for the previous step: see step_clock.py)
+                with t.control_dependencies([begin]):
+                    optional = iterator.get_next_as_optional()
+                    has_value = optional.has_value()
+            else:
+                optional = iterator.get_next_as_optional()
+                has_value = optional.has_value()
+            if not has_value:
                 break
-            per_replica = strategy.run(self._metrics_step, args=(optional.get_value(),))
-            rows = rows.write(i, strategy.reduce("SUM", per_replica, axis=None))
+            if timed:
+                batch = optional.get_value()
+                ready = clock.stamp_after(batch)
+                rows_here, comm = strategy.run(step, args=(batch,))
+                comms = strategy.experimental_local_results(comm)
+                computed = clock.stamp_after([strategy.experimental_local_results(rows_here), comms])
+                summed = strategy.reduce("SUM", rows_here, axis=None)
+                end = clock.stamp_after(summed)
+                spent = t.add_n(comms) / len(comms) + (end - computed)
+                marks = marks.write(i, t.stack([begin, ready, end, spent]))
+            else:
+                summed = strategy.reduce("SUM", strategy.run(step, args=(optional.get_value(),)), axis=None)
+            rows = rows.write(i, summed)
             self._step_taken()
             done = i + 1
-        return rows.stack(), done
+        return (rows.stack(), done, marks.stack()) if timed else (rows.stack(), done)
 
     def _step_taken(self):
         """Traced once per step of the fused loop; a subclass may count steps here (async-ps does)."""
@@ -183,15 +249,29 @@ class Program:
         self.input_position += 1
         return list(self.replicator.strategy.experimental_local_results(out))
 
-    def run_fused(self, n: int) -> tuple[np.ndarray, int]:
-        """Runs up to n steps; returns (rows [steps, metrics + batch size] summed over replicas, steps)."""
+    def run_fused(self, n: int, timed: bool = False) -> tuple[np.ndarray, int]:
+        """Runs up to n steps; returns (rows [steps, metrics + batch size] summed over replicas, steps).
+
+        timed: this chunk reads the clock in every step (`last_marks`; step_clock.py). With
+        `timing` on, the first call also traces the other variant, so that switching between
+        them later does not trace inside a measured chunk (its first run still instantiates
+        it: ~0.1 s for a small model, which the breakdown leaves out of its sample).
+        """
         t = tf()
+        timed = bool(timed and self.can_time)
         try:
-            rows, done = call_compiled(self._fused, self.iterator, t.constant(n))
+            out = call_compiled(self._fused, self.iterator, t.constant(n), timed)
+            self.traced_variants.add(timed)
+            if self.timing and self.can_time and (not timed) not in self.traced_variants:
+                call_compiled(self._fused.get_concrete_function, self.iterator, t.constant(n), not timed)
+                self.traced_variants.add(not timed)
         except t.errors.InvalidArgumentError as e:
             raise _translated(e) from None
+        rows, done = out[0], out[1]
+        self.executed_variants.add(timed)
         self.fused_traced = True
         done = int(done)
+        self.last_marks = out[2].numpy()[:done] if timed else None
         self.steps_done += done
         self.input_position += done
         return rows.numpy()[:done], done

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench._src.core import live
+from workbench._src.core.run_names import backend_label, default_name, short_source  # noqa: F401
 from workbench._src.core.run_stats import figures, fmt, last_metrics, shown_reason
 from workbench._src.core.tracebacks import plain, readable, shown_text
 
@@ -81,32 +82,6 @@ def run_source() -> str | None:
     return None
 
 
-def short_source(source: str | None) -> str:
-    """'work/nb01.ipynb' -> 'nb01'; None -> ''."""
-    if not source:
-        return ""
-    base = os.path.basename(str(source).rstrip("/"))
-    return base.rsplit(".", 1)[0] if "." in base else base
-
-
-def default_name(config: dict, source: str | None, started: float | None = None) -> str:
-    """What ran, where and when: 'mirrored x4 · nb01 · 14:02' ('async-ps 2w 1ps · train · 09:15')."""
-    parts = [backend_label(config), short_source(source), time.strftime("%H:%M", time.localtime(started))]
-    return " \u00b7 ".join(p for p in parts if p)
-
-
-def backend_label(config: dict) -> str:
-    """'mirrored x4', 'async-ps 2w 1ps', 'single': how every title names the backend, once (a
-    title whose run name already holds it, as a default name does, leaves it out)."""
-    backend = config.get("backend") or "run"
-    workers, ps = config.get("num_workers"), config.get("num_ps")
-    if ps:
-        return f"{backend} {workers or '?'}w {ps}ps"
-    if (config.get("num_replicas") or 1) > 1:
-        return f"{backend} x{config['num_replicas']}"
-    return backend
-
-
 Status = str  # "created" | "running" | "finished" | "stopped" | "preempted" | "non-finite" | "failed"
 ENDED_STATUSES = ("finished", "stopped", "preempted", "non-finite", "failed")
 # A stop request's kind, agreed between the processes of a run (the most urgent wins).
@@ -116,11 +91,13 @@ NO_STOP, STOP, PREEMPT = 0, 1, 2
 @dataclasses.dataclass(frozen=True)
 class Event:
     """Something that happened in a run. kind: started | metrics | checkpoint | message |
-    renamed | restart | ended.
+    breakdown | renamed | restart | ended.
 
     `data` for started: {"name": run name, "config": backend/steps/..., "first_step": n};
     for metrics: {"rows": [ {step (from the run's start), wall_time, examples_per_sec,
     global_step (the program's), examples (this step's global batch), <metrics>}, ... ]};
+    for breakdown: {"rows": [ {worker, input, compute, communication, other, step, steps}, ...
+    ], "text": the diagnosis sentence} (seconds per step; core/breakdown.py);
     for renamed: {"name", "tags"}; for restart (a heal, launch/heal.py): {"member", "cause",
     "step" (the checkpoint's global step), "run_step" (the run's step the history was rewound
     to: rows after it are dropped and come again), "lost_at", "seconds"}.
@@ -176,6 +153,7 @@ class Run:
         self._columns: dict[str, list] = {}
         self._rows = 0
         self._live = live.Keeper()  # the one snapshot every live view shows (run.snapshot)
+        self._breakdown: dict[int, dict] = {}  # worker -> its latest breakdown row (breakdown.py)
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
         self._interrupted = False  # the stop came from Ctrl-C / a kernel interrupt
@@ -194,6 +172,29 @@ class Run:
 
         with self._lock:
             return pd.DataFrame({k: list(v) for k, v in self._columns.items()})
+
+    def breakdown(self):
+        """Where a step's time goes, one row per worker (one in process): `input` (waiting for
+        input_fn), `compute`, `communication` (collectives or parameter-server traffic, waiting
+        for peers included), `other` (host and Python overhead), in seconds per step adding up to
+        `step` (measured), from a sample of `steps`; empty with breakdown=False. A DataFrame."""
+        from workbench._src.core import breakdown
+
+        return breakdown.frame(self._breakdown_rows(), self.config.get("backend"))
+
+    def diagnosis(self) -> str:
+        """breakdown() in one sentence: what dominates a step and the likely fix."""
+        from workbench._src.core import breakdown
+
+        return breakdown.rows_diagnosis(self._breakdown_rows(), self.config.get("backend"))
+
+    def record_breakdown(self, row: dict) -> None:
+        """Keeps a worker's latest breakdown row; publishes "breakdown" (all rows, the sentence)."""
+        self._breakdown[int(row.get("worker", 0))] = dict(row)  # (one assignment: atomic)
+        self.publish("breakdown", rows=self._breakdown_rows(), text=self.diagnosis())
+
+    def _breakdown_rows(self) -> list[dict]:
+        return [dict(r) for _, r in sorted(dict(self._breakdown).items())]
 
     @property
     def snapshot(self) -> dict | None:
@@ -231,6 +232,8 @@ class Run:
             if fig[key] is not None:
                 out[key] = fig[key]
         out.update(last_metrics(h))
+        if self._breakdown:
+            out["breakdown"] = self.diagnosis()
         if getattr(self, "startup", None):  # a launched run: seconds per phase of its start
             out["startup"] = dict(self.startup)
         return out

@@ -58,6 +58,7 @@ def train(replicator, program, executor: Executor, saver, opts: RunOptions) -> R
     the checkpoint Saver or None); the loop itself only asks it to describe itself.
     """
     run = new_run(replicator, program.step_fn, program.input_fn, opts)
+    program.timing = opts.breakdown  # the fused loop reads the clock in each step (step_clock.py)
     loop = ChunkLoop(run, program, executor, opts, saver)
     return drive(run, loop.execute, opts.background, opts.on_nonfinite)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 GRAPH_WRAPPER = "Graph execution error:"
+NO_STACK = "<stack traces unavailable>"  # the listing of an op defined where Python had no frames
 _DEFINED_AT = re.compile(r"^Detected at node (?P<node>\S+) defined at \(most recent call last\):")
 _ROOT_ERROR = re.compile(r"^\s*\(0\) [A-Z_]+:\s+(?P<sentence>.+)$")
 _FUNCTION_NODE = re.compile(r"^\{\{function_node [^}]*\}\}\s*")
@@ -35,8 +36,8 @@ def op_error_sentence(text: str) -> tuple[str, str | None] | None:
         defined = _DEFINED_AT.match(line)
         if defined:  # a replica's listing of where the op was defined: until its last frame
             node, listing = node or defined["node"], True  # (the first replica's node)
-        elif listing and (not line.strip() or line.startswith("  File ")):
-            continue
+        elif listing and (not line.strip() or line.startswith("  File ") or line.strip() == NO_STACK):
+            continue  # (an op made inside tf.data has no Python frames: TensorFlow says so)
         else:
             listing = False
             rest.append(line)
@@ -44,7 +45,7 @@ def op_error_sentence(text: str) -> tuple[str, str | None] | None:
         root = _ROOT_ERROR.match(line)
         if root:
             return _OP_SUFFIX.sub("", root["sentence"]).strip(), node
-    sentences = [line for line in rest if line.strip() and not line.lstrip().startswith("[[")]
+    sentences = [line for line in rest if line.strip() and not line.lstrip().startswith("[[") and line.strip() != NO_STACK]
     if not sentences or re.match(r"^\d+ root error", sentences[0]):
         return None
     return _OP_SUFFIX.sub("", sentences[0]).strip(), node

@@ -51,7 +51,8 @@ class TrainWork:
         chief = repl.worker_id == 0
 
         def forward(event):
-            if chief or event.kind == "message":
+            # Every worker's own breakdown row travels too: run.breakdown() has one per worker.
+            if chief or event.kind in ("message", "breakdown"):
                 link.send({"type": "event", "kind": event.kind, "step": event.step, "data": event.data})
 
         timing: dict = {}

@@ -140,6 +140,10 @@ class Watch:
         run, event_kind, data = self.run, message["kind"], message["data"]
         if run is None:
             return
+        if event_kind == "breakdown":  # every worker's own: one row each in run.breakdown()
+            for row in data.get("rows", ()):
+                run.record_breakdown(row)
+            return
         if task != self.chief:  # every worker computes the same reduced metrics: the chief's suffice
             if event_kind == "message":
                 run.publish("message", text=f"{_label(task)}: {data.get('text')}")

@@ -297,6 +297,7 @@ class _RunWatcher:
         self.group, self.warmup = study_group(run.name)
         self.status = "created"
         self.reason: str | None = None
+        self.breakdown: str | None = None  # run.diagnosis(): where a step's time goes
         self.foreground = True
         self.stop_requested = False
         self.first_step: int | None = None
@@ -342,6 +343,8 @@ class _RunWatcher:
                 self.run = None
             if event.kind != "metrics" or "snapshot" in event.data:
                 self._send_now()
+        elif event.kind == "breakdown":
+            self.breakdown = event.data.get("text") or None  # the card's line under the figures
 
     def _send_now(self) -> None:
         _push()
@@ -357,6 +360,7 @@ class _RunWatcher:
             "num_workers": self.num_workers,
             "status": self.status,
             "reason": shown_reason(self.status, self.reason),
+            "breakdown": self.breakdown,
             "foreground": self.foreground,
             "stop_requested": self.stop_requested,
             "first_step": self.first_step,

@@ -12,7 +12,7 @@ import io
 import math
 import threading
 
-from workbench._src.core.run import backend_label
+from workbench._src.core.run_names import backend_label
 from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics, median_rate
 from workbench._src.plots import theme
 

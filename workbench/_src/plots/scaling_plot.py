@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 
-from workbench._src.plots import theme
+from workbench._src.plots import breakdown_plot, theme
 
 DPI = 90
 
@@ -33,9 +33,9 @@ def _draw(study):
 
     table = study.table
     planned = study.planned or [1]
-    fig = Figure(figsize=(13, 4.2), dpi=DPI)
+    fig = Figure(figsize=(17, 4.2), dpi=DPI)
     FigureCanvasAgg(fig)
-    ax_thr, ax_sp, ax_eff = fig.subplots(1, 3)
+    ax_thr, ax_sp, ax_eff, ax_parts = fig.subplots(1, 4, gridspec_kw={"width_ratios": [1, 1, 1, 0.9]})
     xs = sorted(set(planned) | set(study.reference))
     for ax in (ax_thr, ax_sp, ax_eff):
         ax.set_xscale("log", base=2)
@@ -55,6 +55,16 @@ def _draw(study):
         ax_thr.plot(table["replicas"], table["examples_per_sec"], "o-", color="C0", label="measured")
         ax_sp.plot(table["replicas"], table["speedup"], "o-", color="C0", label="measured")
         ax_eff.plot(table["replicas"], table["efficiency"] * 100, "o-", color="C0", label="measured")
+        if "examples_per_sec_min" in table and (table.get("repeats", 1) > 1).any():  # the spread
+            ax_thr.errorbar(
+                table["replicas"], table["examples_per_sec"], fmt="none", ecolor="C0", capsize=4,
+                yerr=[table["examples_per_sec"] - table["examples_per_sec_min"],
+                      table["examples_per_sec_max"] - table["examples_per_sec"]],
+            )  # fmt: skip
+        if "unreliable" in table and table["unreliable"].any():  # measured on a busy machine
+            bad = table[table["unreliable"].astype(bool)]
+            for ax, ys in ((ax_thr, bad["examples_per_sec"]), (ax_eff, bad["efficiency"] * 100)):
+                ax.plot(bad["replicas"], ys, "x", color="C3", markersize=12, mew=2, label="busy machine")
     ax_sp.plot(ideal_x, [n / base_n for n in ideal_x], "--", color="grey", label="ideal")
     ax_eff.axhline(100, ls="--", color="grey", label="ideal")
     if study.reference:
@@ -72,7 +82,11 @@ def _draw(study):
     # the whisker reaches the throughput a p90-slow step would give.
     ax_thr.set(title="throughput (whole run; whisker: p90 step)", ylabel="examples/s")
     ax_sp.set(title=f"speed-up over {base_n} replica{'s' if base_n > 1 else ''}", ylabel="speed-up")
-    ax_eff.set(title="efficiency", ylabel="% of ideal", ylim=(0, 110))
+    # Every point stays on the figure: an efficiency above 100% (noise, or a cache effect) widens
+    # the axis instead of being drawn off the top.
+    top = max([110.0] + [e * 100 * 1.1 for e in table.get("efficiency", []) if e == e])
+    ax_eff.set(title="efficiency", ylabel="% of ideal", ylim=(0, top))
+    _draw_parts(ax_parts, table)
     ax_thr.set_xticks(planned, [str(x) for x in planned])
     ax_thr.set_xlim(min(planned) / 1.3, max(planned) * 1.3)
     ax_sp.set_yscale("log", base=2)  # ideal speed-up is then a straight diagonal
@@ -99,6 +113,20 @@ def _draw(study):
     return fig
 
 
+def _draw_parts(ax, table) -> None:
+    """Where a step's time goes at each configuration (the slowest worker's), stacked."""
+    columns = [f"{p}_s" for p in breakdown_plot.PARTS]
+    ax.set_title("step time: where it goes")
+    if not len(table) or not all(c in table for c in columns) or table[columns].isna().all().all():
+        ax.text(0.5, 0.5, "no breakdown measured", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks([])
+        return
+    rows = [{p: row[f"{p}_s"] for p in breakdown_plot.PARTS} for _, row in table.iterrows()]
+    breakdown_plot.draw_stacked(ax, [str(int(n)) for n in table["replicas"]], rows)
+    ax.set_xlabel("replicas")
+    ax.legend(fontsize=9, loc="upper left")
+
+
 def _plain_formatter():
     from matplotlib.ticker import FuncFormatter
 
@@ -106,8 +134,12 @@ def _plain_formatter():
 
 
 def _note(table) -> str:
+    busy = ""
+    if len(table) and "unreliable" in table and table["unreliable"].any():
+        ns = ", ".join(str(int(n)) for n in table.loc[table["unreliable"].astype(bool), "replicas"])
+        busy = f"UNRELIABLE at n={ns}: other processes or CPU steal during the measurement (x). "
     if not len(table) or "shared_cores" not in table or not table["shared_cores"].any():
-        return ""
+        return busy.strip()
     cores = int(table["physical_cores"].iloc[0])
     most = int(table["replicas"].max())
     what = (
@@ -115,7 +147,7 @@ def _note(table) -> str:
         if (table["devices_kind"] == "CPU process").any()
         else "virtual CPU devices"
     )
-    return (
+    return busy + (
         f"NOTE: replicas are {what} sharing {cores} physical core(s) (up to {most} "
         "replicas on them): this shows distribution overhead, not the speed-up of real devices."
     )

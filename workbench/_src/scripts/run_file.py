@@ -20,6 +20,7 @@ from workbench._src.core.current import set_current
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
 from workbench._src.core.run_loop import PreemptOnSigterm
+from workbench._src.core.run_stats import fmt
 from workbench._src.core.tracebacks import cause_line, shown_text
 from workbench._src.launch.shipping import CellSetup
 from workbench._src.placements.ray.cluster import RayCluster
@@ -111,6 +112,13 @@ def run_file(args) -> int:
     except Exception as e:  # noqa: BLE001 - one sentence first, the details after it
         return _report_failure(e, args)
     summary = run.summary()
+    table = run.breakdown()
+    if not table.empty:  # this process's workers: milliseconds per step of each part
+        parts = table.drop(columns="steps") * 1e3
+        summary["breakdown_ms"] = {
+            str(w): {k: round(v, 3) for k, v in row.items()} for w, row in parts.iterrows()
+        }
+        summary["collective_bytes"] = int(table.attrs.get("collective_bytes") or 0)
     if args.history:
         run.history.to_csv(args.history, index=False)
         summary["history_csv"] = args.history
@@ -160,7 +168,8 @@ def scale_file(args) -> int:
         study = scaling_study(
             setup=setup, backend=args.backend, replicas=counts, mode=args.mode,
             batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
-            steps_per_execution=args.steps_per_execution, path=args.out, live=False, **options,
+            steps_per_execution=args.steps_per_execution, path=args.out, live=False,
+            repeats=getattr(args, "repeats", 1), **options,
         )  # fmt: skip
     except WorkbenchError as e:
         print(f"workbench scale: {type(e).__name__}: {e}", file=sys.stderr)
@@ -168,8 +177,10 @@ def scale_file(args) -> int:
     table = study.table
     if args.csv:
         table.to_csv(args.csv, index=False)
-    columns = [*SUMMARY_COLUMNS, "devices_kind"]
-    print(table[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    columns = [c for c in (*SUMMARY_COLUMNS, "devices_kind") if c in table]
+    print(table[columns].to_string(index=False, float_format=fmt))  # 11,050, not 1.105e+04
+    for note in study.notes():  # busy-machine flags and each configuration's breakdown sentence
+        print(f"note: {note}")
     if table["threads_note"].iloc[-1]:  # the most replicas: the strongest caveat
         print(f"note: {table['threads_note'].iloc[-1]}")
     print(f"figure: {study.path}" + (f"\ntable: {args.csv}" if args.csv else ""))

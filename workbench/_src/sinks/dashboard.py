@@ -23,7 +23,7 @@ from collections.abc import Callable
 from workbench._src.core.live import plot_spacing, shown
 from workbench._src.core.run import Event
 from workbench._src.core.run_stats import shown_reason
-from workbench._src.plots import run_plot
+from workbench._src.plots import breakdown_plot, run_plot
 from workbench._src.sinks.dashboard_view import (
     DashboardView,
     Frontend,
@@ -106,6 +106,7 @@ class Dashboard(DashboardView):
         self.message: str | None = None
         # The run's snapshot (core/live.py): the header, the bar and the figure show it.
         self.snapshot: dict | None = None
+        self.breakdown: dict | None = None  # the last "breakdown" event's data (rows, text)
         self.png: bytes | None = None  # the last figure drawn
         self.renders = 0
         self.render_seconds = 0.0
@@ -160,6 +161,8 @@ class Dashboard(DashboardView):
             self.heals.append(event.data["run_step"])
         elif event.kind == "renamed":
             self.name = event.data.get("name") or self.name
+        elif event.kind == "breakdown":
+            self.breakdown = dict(event.data)
         elif event.kind == "ended":
             self.run_id = self.run_id or event.run_id
             self.name = self.name or event.data.get("name") or _name_from_id(event.run_id)
@@ -262,6 +265,10 @@ class Dashboard(DashboardView):
             self._header.value = (
                 f"<div data-snapshot='{fig.get('seq', 0)}'>{_status_html(title, self.message, reason)}</div>"
             )
+            if self.breakdown:  # where a step's time goes: a stacked bar per worker, a sentence
+                self._breakdown_bar.value = breakdown_plot.bar_html(
+                    self.breakdown["rows"], self.breakdown.get("text", "")
+                )
         if final:
             has_steps = bool(columns.get("step"))
             self.png = (

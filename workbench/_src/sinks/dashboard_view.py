@@ -145,7 +145,8 @@ class DashboardView:
         self._build_controls()
         # The controls above the figure, which stays the box's last child (the panel's tests and
         # any code reading the figure from `.widget` find it there).
-        self.widget = w.VBox([self._header, w.HBox(row), self._controls, self._image])
+        self._breakdown_bar = w.HTML()  # filled by the run's "breakdown" events
+        self.widget = w.VBox([self._header, w.HBox(row), self._breakdown_bar, self._controls, self._image])
 
     def _build_controls(self) -> None:
         """TensorBoard's smoothing slider and a y-scale toggle, above the figure."""

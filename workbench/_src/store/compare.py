@@ -11,7 +11,8 @@ import math
 from typing import NamedTuple
 
 from workbench._src.core.errors import ConfigurationError
-from workbench._src.core.run import Run, backend_label
+from workbench._src.core.run import Run
+from workbench._src.core.run_names import backend_label
 from workbench._src.core.run_stats import figures, last_metrics
 from workbench._src.plots import theme
 from workbench._src.plots.run_plot import _smooth, thinned_indices

@@ -27,13 +27,12 @@ from typing import Any, Literal
 
 from workbench._src.core import registry
 from workbench._src.core.errors import ConfigurationError
-from workbench._src.core.run_stats import figures, median_rate
+from workbench._src.core.run_stats import figures, fmt, median_rate
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.plots.scaling_plot import draw, png_bytes
+from workbench._src.studies.measurements import LoadMeter, breakdown_columns, combine, honesty
 from workbench._src.studies.scaling_live import live_sink
 from workbench._src.studies.scaling_setup import Build, ScalingContext, measure
-
-__all__ = ["ScalingContext", "ScalingStudy", "reference_speedup", "scaling_metrics", "scaling_study"]
 
 __all__ = [
     "ScalingContext",
@@ -58,7 +57,13 @@ SUMMARY_COLUMNS = (
     "step_time_p90_s",
     "speedup",
     "efficiency",
+    "spread",
+    "input_s",
+    "compute_s",
+    "communication_s",
+    "other_s",
 )
+
 REFERENCES = {"tf-replicator-resnet50": ("TF-Replicator ResNet-50 (paper)", TF_REPLICATOR_RESNET50_MINUTES)}
 
 
@@ -209,10 +214,54 @@ class ScalingStudy:
     def _repr_html_(self) -> str:
         import base64
 
-        cols = [c for c in SUMMARY_COLUMNS if c in self.table]
-        html = self.table[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}")
+        table = self.table
+        cols = [c for c in SUMMARY_COLUMNS if c in table]
+        html = table[cols].to_html(index=False, float_format=fmt)  # 11,050, not 1.105e+04
         img = base64.b64encode(png_bytes(self)).decode()
-        return f"<b>wb.ScalingStudy</b> ({self.mode})<br><img src='data:image/png;base64,{img}'/>{html}"
+        notes = "".join(f"<br>{note}" for note in self.notes())
+        return (
+            f"<b>wb.ScalingStudy</b> ({self.mode})<br><img src='data:image/png;base64,{img}'/>{html}{notes}"
+        )
+
+    def forecast(
+        self,
+        workers: Sequence[int] = (8, 16, 64),
+        link_gbps: float = 10.0,
+        devices_per_worker: int = 1,
+        *,
+        latency_us: float = 50.0,
+        intra_gbps: float | None = None,
+    ):
+        """Predicts step time, throughput and efficiency at more workers from this study's
+        baseline (its fewest replicas): measured compute, input and other seconds per step and
+        the gradient bytes its all-reduce carried, with a ring all-reduce over `link_gbps`
+        gigabit/s links. A DataFrame; its printed form ends with the model's assumptions
+        (also in `.attrs["assumptions"]`; studies/forecast.py states the model).
+        """
+        from workbench._src.studies.forecast import forecast
+
+        table = self.table
+        if not len(table) or table[["compute_s", "input_s", "other_s"]].iloc[0].isna().any():
+            raise ConfigurationError(
+                "study.forecast needs the baseline's breakdown (compute, input, other seconds per "
+                f"step); received a study with {len(table)} configuration(s) and no breakdown at the "
+                "first. Fix: run the study with the breakdown on (the default) and at least one configuration."
+            )
+        return forecast(
+            table.iloc[0].to_dict(), workers, link_gbps, devices_per_worker, latency_us, intra_gbps, self.mode
+        )
+
+    def notes(self) -> list[str]:
+        """Sentences a reader needs beside the numbers: unreliable figures (machine load) and
+        each configuration's breakdown diagnosis."""
+        table, out = self.table, []
+        for _, row in table.iterrows():
+            n = int(row["replicas"])
+            if row.get("unreliable"):
+                out.append(f"n={n}: unreliable, {row['load_note']}")
+            if row.get("breakdown"):
+                out.append(f"n={n}: {row['breakdown']}")
+        return out
 
     def __repr__(self) -> str:
         return f"<wb.ScalingStudy {self.mode} replicas={[p['replicas'] for p in self.points]}>"
@@ -230,6 +279,7 @@ def scaling_study(
     batch_size: int = 32,
     *,
     steps_per_execution: int = 10,
+    repeats: int = 1,
     seed: int | None = 0,
     reduce: dict[str, str] | None = None,
     reference: Mapping[int, float] | str | None = None,
@@ -256,6 +306,10 @@ def scaling_study(
         (step_fn, input_fn), a dict with those keys, or step_fn alone (input_fn from the argument).
         It rebuilds model and optimizer so every point starts from the same initial weights.
       steps_per_execution: steps per compiled call; step times are chunk time / chunk length.
+      repeats: measure every configuration this many times, interleaved (1, 2, 4, 1, 2, 4, ...,
+        so load that comes and goes hits all alike); the table gives the median repeat and the
+        `spread` ((max - min) / median of examples/s), and flags (`unreliable`, `load_note`)
+        figures measured while other processes kept the cores busy or CPU time was stolen.
       seed: keras.utils.set_random_seed(seed) before each setup (None: leave the seed alone).
       reduce: passed to repl.train (how scalar outputs combine across replicas).
       reference: a curve to overlay, {replicas: time to train} (converted to speed-up), or
@@ -266,9 +320,12 @@ def scaling_study(
 
     Returns:
       A `wb.ScalingStudy`; `.table` has one row per configuration with throughput, step-time
-      median/p90, speed-up, efficiency, compile (warm-up) and, on multi-worker, process start-up
-      seconds, and what the devices really were (`devices_kind`, `physical_cores`,
-      `threads_per_replica`, `threads_note`).
+      median/p90, speed-up, efficiency, spread over repeats and the machine's load, where the
+      step's time goes (`input_s`, `compute_s`, `communication_s`, `other_s`: seconds per step
+      of the slowest worker, and the `breakdown` sentence), compile (warm-up) and, on
+      multi-worker, process start-up seconds, and what the devices really were (`devices_kind`,
+      `physical_cores`, `threads_per_replica`, `threads_note`). `study.forecast(...)` predicts
+      larger clusters from it.
 
     Example:
       >>> import workbench as wb, tensorflow as tf
@@ -282,6 +339,8 @@ def scaling_study(
     import time
 
     counts = _check_arguments(replicas, mode, batch_size, steps, warmup, steps_per_execution)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ConfigurationError(f"repeats must be an integer >= 1; received repeats={repeats!r}.")
     if setup is None and (step_fn is None or input_fn is None):
         raise ConfigurationError(
             "scaling_study needs step_fn and input_fn, or setup(repl) returning them; received "
@@ -316,85 +375,40 @@ def scaling_study(
     devices = device_summary()
     sink = live_sink(live)
     study_started = time.strftime("%H:%M:%S")
+    samples: dict[int, list[dict]] = {n: [] for n in counts}
     with _quiet_retracing():
-        for n in counts:
-            repl = repls[n]
-            global_batch, per_replica = batch_sizes(mode, batch_size, n)
-            build = Build(setup, step_fn, input_fn, mode, global_batch, seed)
-            options = {"steps_per_execution": steps_per_execution, "reduce": reduce}
-            # The name tells the study apart from others (backend, start time): the sidebar
-            # groups its runs by it (study_group below).
-            name = f"scaling {mode} n={n} \u00b7 {repl.backend} \u00b7 {study_started}"
-            run, compile_seconds = measure(repl, build, warmup, steps, name, options)
-            study.runs[n] = run
-            eps = run.history["examples_per_sec"].dropna().to_numpy()  # per step, from chunk times
-            run_figures = figures(run.history)  # the run's figures, as the sidebar shows them
-            study.points.append(
-                {"replicas": n, "mode": mode, "global_batch": global_batch, "per_replica_batch": per_replica,
-                 "steps": int(run.steps), "steps_per_execution": steps_per_execution,
-                 "examples_per_sec": run_figures["examples_per_sec"],
-                 "steps_per_sec": run_figures["steps_per_sec"],
-                 **step_time_stats(global_batch, eps), "compile_seconds": compile_seconds,
-                 # worker processes started and joined (multi-worker); NaN in one process
-                 "startup_seconds": getattr(run, "startup_seconds", float("nan")),
-                 "backend": repl.backend,
-                 **_honesty(repl.describe(), devices, getattr(repl, "threads_per_worker", None))}
-            )  # fmt: skip
-            if path is not None:
-                study.path = study.save(path)
-            if sink is not None:
-                sink.send(study)
+        for repeat in range(repeats):
+            for n in counts:  # interleaved: every configuration once per round
+                repl = repls[n]
+                global_batch, per_replica = batch_sizes(mode, batch_size, n)
+                build = Build(setup, step_fn, input_fn, mode, global_batch, seed)
+                options = {"steps_per_execution": steps_per_execution, "reduce": reduce}
+                # The name tells the study apart from others (backend, start time): the sidebar
+                # groups its runs by it (study_group below).
+                again = f" #{repeat + 1}" if repeats > 1 else ""
+                name = f"scaling {mode} n={n}{again} \u00b7 {repl.backend} \u00b7 {study_started}"
+                with LoadMeter() as load:
+                    run, compile_seconds = measure(repl, build, warmup, steps, name, options)
+                study.runs[n] = run
+                eps = run.history["examples_per_sec"].dropna().to_numpy()  # per step, from chunk times
+                run_figures = figures(run.history)  # the run's figures, as the sidebar shows them
+                samples[n].append(
+                    {"replicas": n, "mode": mode, "global_batch": global_batch, "per_replica_batch": per_replica,
+                     "steps": int(run.steps), "steps_per_execution": steps_per_execution,
+                     "examples_per_sec": run_figures["examples_per_sec"],
+                     "steps_per_sec": run_figures["steps_per_sec"],
+                     **step_time_stats(global_batch, eps), "compile_seconds": compile_seconds,
+                     # worker processes started and joined (multi-worker); NaN in one process
+                     "startup_seconds": getattr(run, "startup_seconds", float("nan")),
+                     "backend": repl.backend, **breakdown_columns(run), **load.reading(),
+                     **honesty(repl.describe(), devices, getattr(repl, "threads_per_worker", None))}
+                )  # fmt: skip
+                study.points = [combine(samples[m]) for m in counts if samples[m]]
+                if path is not None:
+                    study.path = study.save(path)
+                if sink is not None:
+                    sink.send(study)
     return study
-
-
-def _honesty(described: dict, devices: dict, threads_per_worker: int | None = None) -> dict:
-    """What the replicas really ran on: replicas sharing CPU cores are not independent devices.
-
-    One process with virtual CPUs: the replicas share that process's thread pool. Worker
-    processes on one machine without GPUs: each worker has its own pool (`threads_per_worker`,
-    else TensorFlow's default of one thread per core), so together they oversubscribe the cores.
-    """
-    cores = devices.get("physical_cores") or 0
-    replicas = int(described.get("num_replicas") or 1)
-    workers = int(described.get("num_workers") or 1)
-    if registry.spec(described["backend"]).in_processes:
-        kind = "GPU" if devices.get("gpus") else "CPU process"
-        threads = threads_per_worker or cores
-        total = threads * workers
-        note = ""
-        if kind == "CPU process" and workers > 1 and total > cores:
-            note = (
-                f"{workers} worker processes x {threads} TensorFlow thread(s) share {cores} core(s) of "
-                "one machine: the workers compete for the same cores, so this measures the cost of "
-                "distribution (processes, gRPC all-reduce), not speed-up"
-            )
-        return {
-            "devices_kind": kind,
-            "devices": f"{workers} worker(s) x {described.get('devices_per_worker', 1)}",
-            "physical_cores": cores,
-            "threads_per_replica": threads / max(1, replicas // workers),
-            "shared_cores": bool(note),
-            "threads_note": note,
-        }
-    used = described.get("devices", [])
-    kind = "GPU" if any("GPU" in d for d in used) else "TPU" if any("TPU" in d for d in used) else "CPU"
-    pool = devices.get("intra_op_threads") or cores
-    if kind == "CPU" and devices.get("virtual_cpus", 1) > 1:
-        kind = "virtual CPU"
-        note = (
-            f"{len(used)} virtual CPU device(s) share {cores} physical core(s) and one TensorFlow "
-            "thread pool: replicas compete for the same cores, so this measures overhead, not speed-up"
-        )
-    else:
-        note = ""
-    return {
-        "devices_kind": kind,
-        "devices": ",".join(d.split("device:")[-1] for d in used),
-        "physical_cores": cores,
-        "threads_per_replica": pool / max(1, len(used)) if kind in ("CPU", "virtual CPU") else float("nan"),
-        "shared_cores": kind == "virtual CPU",
-        "threads_note": note,
-    }
 
 
 class _quiet_retracing:
