@@ -127,6 +127,7 @@ class Plotter:
         self._layout: tuple | None = None
         self._lines: dict = {}
         self._marks: list = []  # the heal marks' lines of the last render
+        self.built = False  # the last render built the figure (new panels, a new theme)
 
     def render(
         self, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()
@@ -142,7 +143,8 @@ class Plotter:
         with _RENDER_LOCK, theme.context():
             names = metric_names(columns)[:MAX_METRIC_PANELS]
             layout = (*names, theme.key())  # a theme switch builds the figure again, in its colours
-            if self._layout != layout:
+            self.built = self._layout != layout  # (a build costs several redraws: see live.plot_spacing)
+            if self.built:
                 self._build(names)
                 self._layout = layout
             self._update(columns, names, title, smoothing, scale)
@@ -284,6 +286,11 @@ def final_png(
 
 
 _shared = Plotter()
+
+
+def last_render_built() -> bool:
+    """Whether the last `render` built its figure anew (a first drawing, a new metric, a theme)."""
+    return _shared.built
 
 
 def _two_lines(title: str) -> str:

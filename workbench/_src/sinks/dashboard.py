@@ -113,6 +113,7 @@ class Dashboard(DashboardView):
         self.render_threads: set[str] = set()
         self.render_times: list[float] = []
         self.render_costs: list[float] = []
+        self._redraw_costs: list[float] = []  # (renders that did not build the figure: live.plot_spacing)
         self.cpu_seconds = 0.0  # CPU the renderer thread used while the run went (all refreshes)
         self.error: BaseException | None = None
         self.smoothing: float | None = _choice["smoothing"]
@@ -297,4 +298,6 @@ class Dashboard(DashboardView):
             self.render_threads.add(threading.current_thread().name)
             self.render_times.append(now)
             self.render_costs.append(cost)
-            self._next_plot = now + plot_spacing(self.render_costs, self.period, self.render_budget)
+            if not run_plot.last_render_built():
+                self._redraw_costs.append(cost)
+            self._next_plot = now + plot_spacing(self._redraw_costs, self.period, self.render_budget)
