@@ -58,6 +58,7 @@ def test_a_run_is_recorded_with_config_history_figure_and_tensorboard(runs_dir, 
     assert (folder / "dashboard.png").read_bytes().startswith(b"\x89PNG")
     kinds = [json.loads(line)["kind"] for line in (folder / "events.jsonl").read_text().splitlines()]
     assert kinds == ["started", "ended"]
+    assert record["breakdown"]["rows"] and record["breakdown"]["text"]  # where its steps went: the latest
     # TensorBoard: one scalar per step and metric, tagged as the scalars plugin expects.
     (events_file,) = glob.glob(str(folder / "tb" / "events.out.tfevents.*"))
     values = {}

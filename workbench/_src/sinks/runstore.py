@@ -139,6 +139,9 @@ class Recorder:
             if time.monotonic() - self._last_flush > FLUSH_SECONDS:
                 self._flush_history()  # a crashed kernel still leaves most of the history
             return
+        if event.kind == "breakdown":  # (each second or so: the latest is what the record keeps)
+            self.record["breakdown"] = {"rows": event.data.get("rows"), "text": event.data.get("text")}
+            return
         self._append_event(event)
         if event.kind == "started":
             self.record.update(status="running", started=event.time, config=event.data.get("config", {}))
