@@ -88,10 +88,14 @@ def test_default_budget_keeps_drawing_a_small_fraction_of_the_time():
     dash = Dashboard(frontend="widgets", display=False, render_budget=0.03)
     _, seconds = synthetic_run([dash], seconds=4.0)
     assert dash.renders >= 1
-    # Each drawing waits until its CPU cost is under 3% of the time since the one before.
-    for (t0, t1), cost in zip(zip(dash.render_times, dash.render_times[1:]), dash.render_costs):
-        assert t1 - t0 >= cost / 0.03 - 0.05
-    assert sum(dash.render_costs[:-1]) <= 0.03 * seconds + 0.05
+    # Each drawing waits until the median of the last redraws' CPU costs is under 3% of the time
+    # since the one before; the first drawing (building the figure, loading fonts) is not counted:
+    # counted, it held the figure back for tens of seconds (issue 41).
+    times, costs = dash.render_times, dash.render_costs
+    for i in range(1, len(times) - 1):
+        recent = sorted(costs[1 : i + 1][-5:])
+        assert times[i + 1] - times[i] >= recent[len(recent) // 2] / 0.03 - 0.05
+    assert sum(costs[1:-1]) <= 0.03 * seconds + 0.05
 
 
 def test_display_is_updated_in_place_and_ends_as_a_static_png():
@@ -164,7 +168,7 @@ def test_console_frontend_outside_a_kernel(capsys):
     err = capsys.readouterr()
     # The bar shows the run's own figures (as the sidebar and summary do), not tqdm's rate.
     assert "100/100" in err.err and "steps/s=" in err.err and "ETA=" in err.err and "it/s" not in err.err
-    assert "mirrored x 2 \u00b7 finished \u00b7 step 100/100 \u00b7" in err.out
+    assert "mirrored x2 \u00b7 finished \u00b7 step 100/100 \u00b7" in err.out
     # 100 steps in 0.6 s: 167 steps/s, 128 examples each.
     assert " 167 steps/s \u00b7 21,333 examples/s" in err.out, err.out
     assert dash.widget is None and dash.png.startswith(PNG_MAGIC)

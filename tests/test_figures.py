@@ -156,3 +156,24 @@ def test_log_scale_loss_plot_survives_exact_zeros_and_follows_a_dark_theme(monke
     monkeypatch.setenv("WORKBENCH_THEME", "dark")
     dark = plotter.render(columns, "zeros")
     assert brightness(light) > 200 and brightness(dark) < 60, (brightness(light), brightness(dark))
+
+
+@pytest.mark.parametrize("repeat", [1, 2, 3])
+def test_the_figures_title_fits_its_width_and_names_the_backend_once(repeat):
+    """A suptitle wider than the figure was cut at both ends (issue 41): it shrinks to fit, then
+    goes on two lines; a default name says the backend, so the title does not again."""
+    from workbench._src.plots import run_plot
+
+    config = {"backend": "multi-worker", "num_replicas": 2, "num_workers": 2}
+    name = " \u00b7 ".join(["multi-worker x2 \u00b7 nb01 \u00b7 01:18"] * repeat)
+    columns = {"step": [1, 2, 3], "wall_time": [0.1, 0.2, 0.3], "examples_per_sec": [math.nan, 640.0, 640.0]}
+    columns["loss"] = [1.0, 0.5, 0.25]
+    title = run_plot.title_for(config, "finished", columns, name, 3)
+    assert title.count("multi-worker") == repeat and "\u00b7 finished \u00b7 step 3/3 \u00b7" in title
+    assert run_plot.title_for(config, "finished", columns, "bg", 3).startswith(
+        "bg \u00b7 multi-worker x2 \u00b7"
+    )
+    run_plot.render(columns, title)
+    plotter = run_plot._shared
+    extent = plotter._title.get_window_extent(plotter._figure.canvas.get_renderer())
+    assert extent.x0 >= 0 and extent.x1 <= plotter._figure.bbox.width, (extent, title)

@@ -66,9 +66,9 @@ def test_cell_form_line_form_background_and_panel_in_a_kernel(tmp_path, monkeypa
     # The cell form: the live dashboard became a static PNG in place, then the Run.
     (figure,) = outputs(cells[2], "display_data")
     assert base64.b64decode(figure.data["image/png"]).startswith(b"\x89PNG")
-    # the run's name (its store-unique default: backend, replicas, time), then what ran and how far
+    # the run's name (its store-unique default: backend, replicas, time), the backend not again
     assert re.match(
-        r"mirrored x2 \u00b7 \d\d:\d\d \u00b7 mirrored x 2 \u00b7 finished \u00b7 step 120/120",
+        r"mirrored x2 \u00b7 \d\d:\d\d \u00b7 finished \u00b7 step 120/120",
         figure.data["text/plain"],
     )
     (result,) = outputs(cells[2], "execute_result")

@@ -147,6 +147,7 @@ function activate(
     previous = snapshot;
     sidebar.render(state, snapshot, tracker.currentWidget?.title.label ?? '');
     status.setText(statusBarText(state, snapshot), runningRun(snapshot) !== null);
+    status.node.dataset.snapshot = String(runningRun(snapshot)?.snapshot_seq ?? 0); // (as the cards)
     // Toolbar buttons and the palette grey out Stop / Figure; tell them only when that changes.
     const key = `${stopAction(snapshot).kind}|${lastEndedRun(snapshot)?.id ?? ''}|${tracker.currentWidget?.id}`;
     if (key !== enabledKey) {

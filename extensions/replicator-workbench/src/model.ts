@@ -52,6 +52,8 @@ export interface IRunInfo {
   median_examples_per_sec?: number | null;
   /** Seconds to go at the current steps/s (null before the first timed chunk). */
   eta_seconds?: number | null;
+  /** Which of the run's snapshots these figures are (1, 2, ...: its dashboard shows the same). */
+  snapshot_seq?: number | null;
   /** A scaling study's runs share a group ("scaling weak"); its warm-up runs are marked. */
   group?: string | null;
   warmup?: boolean;
@@ -411,13 +413,24 @@ export function formatCount(value: number | null | undefined): string {
   return Math.round(value).toLocaleString('en-US');
 }
 
-/** "mirrored x4", "async-ps 2w 1ps", "single": a run's configuration in a table cell. */
+/**
+ * "mirrored x4", "async-ps 2w 1ps", "single": a run's configuration in a table cell; the kernel's
+ * run.backend_label, with which default run names begin ("mirrored x4 · nb01 · 14:02").
+ */
 export function describeConfig(row: IStoredRun): string {
   const backend = row.backend ?? '?';
   if (row.ps) {
     return `${backend} ${row.workers ?? '?'}w ${row.ps}ps`;
   }
   return typeof row.replicas === 'number' && row.replicas > 1 ? `${backend} x${row.replicas}` : backend;
+}
+
+/**
+ * Whether a run's name already says its backend (a default name, "mirrored x2 · nb01 · 14:02"):
+ * then the backend is not named again beside it (the card's config line, the status bar).
+ */
+export function nameHoldsBackend(name: string | null | undefined, backend: string | null | undefined): boolean {
+  return !!name && !!backend && name.startsWith(backend);
 }
 
 /** "scaling weak · mirrored · 14:02:33" -> "Scaling study · weak · mirrored · 14:02:33". */
@@ -506,7 +519,7 @@ export function describeStatus(run: IRunInfo): string {
 /**
  * The status bar's text: backend · replicas · steps/s of the running run; when nothing runs,
  * the session's replicator and the last run's steps/s (the figure its summary shows); '' when
- * there is nothing to say (the item hides).
+ * there is nothing to say (the item hides). The backend is named once.
  */
 export function statusBarText(state: LinkState, snapshot: ISnapshot | null): string {
   if (state !== 'ready' || !snapshot) {
@@ -521,7 +534,9 @@ export function statusBarText(state: LinkState, snapshot: ISnapshot | null): str
   const parts = repl ? [describeReplicas(repl.backend, repl.num_replicas, repl.num_workers)] : [];
   const last = lastEndedRun(snapshot);
   if (last && last.steps_per_sec !== null) {
-    parts.push(`${last.name}: ${formatNumber(last.steps_per_sec)} steps/s`);
+    // A default name repeats the backend said just before: "last run" instead (its tooltip names it).
+    const label = nameHoldsBackend(last.name, last.backend) ? 'last run' : last.name;
+    parts.push(`${label}: ${formatNumber(last.steps_per_sec)} steps/s`);
   }
   return parts.join(' \u00b7 ');
 }

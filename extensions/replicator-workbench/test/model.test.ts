@@ -96,6 +96,12 @@ test('the status bar shows backend, replicas and steps/s of the running run', ()
   assert.equal(statusBarText('ready', idle), 'single \u00b7 1 replica');
   const after = snapshot([run({ status: 'finished', steps_per_sec: 812.4 })], { backend: 'single', num_replicas: 1 });
   assert.equal(statusBarText('ready', after), 'single \u00b7 1 replica \u00b7 run 1: 812 steps/s');
+  // A default name holds the backend already: not named twice.
+  const named = snapshot(
+    [run({ status: 'finished', steps_per_sec: 812, backend: 'single', name: 'single \u00b7 nb01 \u00b7 14:02' })],
+    { backend: 'single', num_replicas: 1 }
+  );
+  assert.equal(statusBarText('ready', named), 'single \u00b7 1 replica \u00b7 last run: 812 steps/s');
   assert.equal(statusBarText('ready', snapshot([])), '');
   assert.equal(statusBarText('absent', snapshot([training])), '');
   assert.equal(statusBarText('connecting', null), '');

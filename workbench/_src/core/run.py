@@ -22,6 +22,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from workbench._src.core import live
+from workbench._src.core.run_names import backend_label, default_name, short_source  # noqa: F401
 from workbench._src.core.run_stats import figures, fmt, last_metrics, shown_reason
 from workbench._src.core.tracebacks import plain, readable, shown_text
 
@@ -78,28 +80,6 @@ def run_source() -> str | None:
     if path and not os.path.basename(path).startswith(("ipykernel_launcher", "pytest", "__main__")):
         return path
     return None
-
-
-def short_source(source: str | None) -> str:
-    """'work/nb01.ipynb' -> 'nb01'; None -> ''."""
-    if not source:
-        return ""
-    base = os.path.basename(str(source).rstrip("/"))
-    return base.rsplit(".", 1)[0] if "." in base else base
-
-
-def default_name(config: dict, source: str | None, started: float | None = None) -> str:
-    """What ran, where and when: 'mirrored x4 · nb01 · 14:02' ('async-ps 2w 1ps · train · 09:15')."""
-    backend = config.get("backend") or "run"
-    workers, ps = config.get("num_workers"), config.get("num_ps")
-    if ps:
-        what = f"{backend} {workers or '?'}w {ps}ps"
-    elif (config.get("num_replicas") or 1) > 1:
-        what = f"{backend} x{config['num_replicas']}"
-    else:
-        what = backend
-    parts = [what, short_source(source), time.strftime("%H:%M", time.localtime(started))]
-    return " \u00b7 ".join(p for p in parts if p)
 
 
 Status = str  # "created" | "running" | "finished" | "stopped" | "preempted" | "non-finite" | "failed"
@@ -172,6 +152,7 @@ class Run:
         self.processes: list[dict] = []
         self._columns: dict[str, list] = {}
         self._rows = 0
+        self._live = live.Keeper()  # the one snapshot every live view shows (run.snapshot)
         self._breakdown: dict[int, dict] = {}  # worker -> its latest breakdown row (breakdown.py)
         self._sinks: list[Callable[[Event], Any]] = []
         self._stop = threading.Event()
@@ -214,6 +195,11 @@ class Run:
 
     def _breakdown_rows(self) -> list[dict]:
         return [dict(r) for _, r in sorted(dict(self._breakdown).items())]
+
+    @property
+    def snapshot(self) -> dict | None:
+        """What every live view shows now: steps, rates, ETA, last metrics (core/live.py)."""
+        return self._live.current
 
     @property
     def steps(self) -> int:
@@ -346,7 +332,8 @@ class Run:
                 for key, column in self._columns.items():
                     column.append(row.get(key, float("nan")))
                 self._rows += 1
-        self.publish("metrics", rows=rows)
+            fresh = self._live.add(rows, self.config.get("steps"))
+        self.publish("metrics", rows=rows, **({"snapshot": fresh} if fresh else {}))
 
     def _rewind(self, steps: int) -> None:
         """Keeps the first `steps` rows (a healed run goes on from its checkpoint's step: the rows
@@ -356,6 +343,7 @@ class Run:
             for column in self._columns.values():
                 del column[steps:]
             self._rows = steps
+            self._live.rewind(self._columns, self.config.get("steps"))  # ("restart" carries it)
 
     def rename(self, name: str) -> None:
         """Sets the name shown everywhere (wb.rename_run also renames it in the run store)."""
@@ -379,10 +367,12 @@ class Run:
             self.status = "ending"  # claimed: a second caller returns above
         self.stop_reason = reason
         self.ended_at = time.time()
+        with self._lock:  # every view ends with the figures over the whole run
+            final = self._live.end(self._columns, self.config.get("steps"))
         self.status = status
         try:
             extra = {"details": details} if details else {}
-            self.publish("ended", status=status, reason=reason, name=self.name, **extra)
+            self.publish("ended", status=status, reason=reason, name=self.name, snapshot=final, **extra)
         finally:
             self._done.set()
 

@@ -84,7 +84,7 @@ class Healing:
             "lost_at": lost_at,  # the run's step when the member was lost
         }
         run.restarts.append(record)
-        run.publish("restart", run_step=run_step, **record)
+        run.publish("restart", run_step=run_step, snapshot=run.snapshot, **record)  # (rewound)
         self.step_offset = run_step
         if global_step is not None:  # a checkpoint of this run exists: the next attempt resumes it
             self.options["resume"] = True

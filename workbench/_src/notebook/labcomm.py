@@ -30,11 +30,12 @@ throughput) and pushes it to every open comm of target TARGET as one "snapshot" 
                       {"type": "shutdown_pools"} (pool.shutdown(): the idle pools end now, a busy
                       one after its run; answered with a snapshot)
 
-Every figure a run shows (steps, steps/s, examples/s, ETA) comes from workbench._src.core.run_stats,
-as in wb.Run.summary(), the dashboard and the run store.
+Every figure a run shows (steps, steps/s, examples/s, ETA, its metrics) is the run's one snapshot
+(core/live.py), the one its dashboard shows in the cell at the same refresh; the final one is
+what wb.Run.summary() and the run store say.
 
-Nothing polls: a run's sink pushes when something changes, at most 1/MIN_INTERVAL times a second
-per run (started and ended always go out); a warm pool that starts, is taken by a run, goes idle
+Nothing polls: a run's sink pushes when something changes: each new snapshot of the run (at most
+2 a second), its start and its end; a warm pool that starts, is taken by a run, goes idle
 or ends pushes too (pool.observe calls back from whichever thread changed it). An idle pool's
 idle time is counted on in the browser, from the snapshot's idle_seconds and the time since it
 arrived (not from idle_since against the browser's clock: a remote kernel's clock may differ).
@@ -53,23 +54,20 @@ Outside a Jupyter kernel (plain IPython, tests' in-process shell) register() doe
 from __future__ import annotations
 
 import base64
-import math
 import threading
-import time
 from collections import OrderedDict
 
-from workbench._src.core.run_stats import RESERVED, figures, heal_line, shown_reason
+from workbench._src.core.run_stats import figures, heal_line, shown_reason
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.launch import pool as warm_pools  # (no TensorFlow: the registry and its processes)
 from workbench._src.notebook import lab_store, session
-from workbench._src.notebook.lab_store import finite, jsonable
+from workbench._src.notebook.lab_store import jsonable
 from workbench._src.plots import theme
 from workbench._src.sinks import register_default, runstore
 from workbench._src.studies.scaling import study_group
 
 TARGET = "workbench.lab"
 PROTOCOL = 1
-MIN_INTERVAL = 0.25  # s between pushes for one run: <= 4 a second, whatever the training speed
 MAX_RUNS = 24  # recent runs shown (this kernel's, newest first; a scaling study makes two per configuration)
 NOTIFY_ENV, DEFAULT_NOTIFY_AFTER = "WORKBENCH_NOTIFY_AFTER", 30.0  # seconds
 MAX_COMMS = 8  # comms of reloaded pages are never closed; keep the newest few
@@ -285,7 +283,7 @@ def _watch(run) -> _RunWatcher:
 
 
 class _RunWatcher:
-    """A run's sink: keeps its step, metrics and figures (workbench._src.core.run_stats); pushes rate-limited."""
+    """A run's sink: keeps its latest snapshot (core/live.py) and pushes each one."""
 
     def __init__(self, run):
         self.run = run  # dropped at the end: a finished run's history is not kept alive here
@@ -303,18 +301,13 @@ class _RunWatcher:
         self.foreground = True
         self.stop_requested = False
         self.first_step: int | None = None
-        self.metrics: dict[str, float | None] = {}
-        self._wall: list[float] = []  # the columns the figures need (not the whole history)
-        self._eps: list[float] = []
-        self._examples: list[float] = []
-        self.figures: dict = figures({}, running=True)
+        self.snapshot: dict = figures({}, running=True)  # until the run's first (no step yet)
         self.started: float | None = None
         self.ended: float | None = None
-        self._last_push = 0.0
 
     @property
     def step(self) -> int:
-        return len(self._wall)
+        return self.snapshot["steps"]
 
     @property
     def running(self) -> bool:
@@ -340,45 +333,25 @@ class _RunWatcher:
             self.name = event.data.get("name") or self.name
             self.group, self.warmup = study_group(self.name)
             self._send_now()
-        elif event.kind == "restart":  # a heal: the steps after its checkpoint come again
-            keep = event.data["run_step"]
-            del self._wall[keep:], self._eps[keep:], self._examples[keep:]
-            self._refigure()
-            self._send_now()
-        elif event.kind == "metrics":
-            self._update(event.data["rows"])
-            if time.monotonic() - self._last_push >= MIN_INTERVAL:
-                self._refigure()
+        elif event.kind in ("metrics", "restart", "ended"):
+            # The run's snapshot (a new one at most every live.REFRESH_SECONDS; a heal's rewound
+            # one; the final one, over the whole run): pushed when it comes, as the dashboard shows it.
+            self.snapshot = event.data.get("snapshot") or self.snapshot
+            if event.kind == "ended":
+                self.status, self.reason = event.data.get("status"), event.data.get("reason")
+                self.ended = event.time
+                self.run = None
+            if event.kind != "metrics" or "snapshot" in event.data:
                 self._send_now()
         elif event.kind == "breakdown":
             self.breakdown = event.data.get("text") or None  # the card's line under the figures
-        elif event.kind == "ended":
-            self.status, self.reason = event.data.get("status"), event.data.get("reason")
-            self.ended = event.time
-            self.run = None
-            self._refigure()  # over the whole run now, as the summary and the run store
-            self._send_now()
-
-    def _update(self, rows: list[dict]) -> None:
-        if not rows:
-            return
-        for row in rows:
-            self._wall.append(float(row["wall_time"]))
-            self._eps.append(float(row.get("examples_per_sec", math.nan)))
-            self._examples.append(float(row.get("examples", math.nan)))
-        last = rows[-1]
-        self.metrics = {k: finite(v) for k, v in last.items() if k not in RESERVED}
-
-    def _refigure(self) -> None:
-        columns = {"wall_time": self._wall, "examples_per_sec": self._eps, "examples": self._examples}
-        self.figures = figures(columns, running=self.running, target_steps=self.target)
 
     def _send_now(self) -> None:
-        self._last_push = time.monotonic()
         _push()
 
     def info(self) -> dict:
-        fig = self.figures
+        fig = self.snapshot
+        metrics = dict(fig.get("metrics") or {})
         return {
             "id": self.run_id,
             "name": self.name,
@@ -393,12 +366,13 @@ class _RunWatcher:
             "first_step": self.first_step,
             "step": fig["steps"],
             "target_step": self.target,
-            "loss": self.metrics.get("loss"),
-            "metrics": dict(self.metrics),
+            "loss": metrics.get("loss"),
+            "metrics": metrics,
             "examples_per_sec": fig["examples_per_sec"],
             "steps_per_sec": fig["steps_per_sec"],
             "median_examples_per_sec": fig["median_examples_per_sec"],
             "eta_seconds": fig["eta_seconds"],
+            "snapshot_seq": fig.get("seq"),  # which of the run's snapshots (its dashboard shows it too)
             "group": self.group,
             "warmup": self.warmup,
             # The last heal in one line (launch/heal.py): "worker 1 lost (...) at step 312: ...".

@@ -12,6 +12,7 @@ import io
 import math
 import threading
 
+from workbench._src.core.run_names import backend_label
 from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics, median_rate
 from workbench._src.plots import theme
 
@@ -88,18 +89,29 @@ def summarize(columns: dict, running: bool = False, target_steps: int | None = N
 
 
 def title_for(
-    config: dict, status: str, columns: dict, name: str = "", target: int | None = None, numbers: bool = True
+    config: dict,
+    status: str,
+    columns: dict,
+    name: str = "",
+    target: int | None = None,
+    numbers: bool = True,
+    fig: dict | None = None,
 ) -> str:
-    """'run 3 · mirrored x 4 · finished · step 300/300 · 812 steps/s · 103,936 examples/s'.
+    """'run 3 · mirrored x4 · finished · step 300/300 · 812 steps/s · 103,936 examples/s'.
 
-    Steps count from the run's start; `target` is the steps the run was asked for. numbers=False
-    leaves out the step and the rates (the live figure: drawn less often than the header above
-    it refreshes, it would show older numbers beside newer ones).
+    The backend is named once: a name that holds it already (the default 'mirrored x4 · nb01 ·
+    14:02') is not followed by it again. Steps count from the run's start; `target` is the steps
+    the run was asked for. numbers=False leaves out the step and the rates (the live figure:
+    drawn less often than the header above it refreshes, it would show older numbers beside
+    newer ones). `fig`: the figures to show (the run's snapshot, core/live.py); else computed
+    from `columns`.
     """
-    parts = [name or "run", f"{config.get('backend', '?')} x {config.get('num_replicas', '?')}", status]
+    label = backend_label(config)
+    parts = [name or "run"] + ([] if label in (name or "") else [label]) + [status]
     if not numbers:
         return " \u00b7 ".join(parts)
-    fig = figures(columns, running=status == "running", target_steps=target)
+    if fig is None:
+        fig = figures(columns, running=status == "running", target_steps=target)
     if fig["steps"]:
         parts.append(f"step {fig['steps']:,}" + (f"/{target:,}" if target else ""))
     if fig["steps_per_sec"] is not None:
@@ -115,6 +127,7 @@ class Plotter:
         self._layout: tuple | None = None
         self._lines: dict = {}
         self._marks: list = []  # the heal marks' lines of the last render
+        self.built = False  # the last render built the figure (new panels, a new theme)
 
     def render(
         self, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()
@@ -130,7 +143,8 @@ class Plotter:
         with _RENDER_LOCK, theme.context():
             names = metric_names(columns)[:MAX_METRIC_PANELS]
             layout = (*names, theme.key())  # a theme switch builds the figure again, in its colours
-            if self._layout != layout:
+            self.built = self._layout != layout  # (a build costs several redraws: see live.plot_spacing)
+            if self.built:
                 self._build(names)
                 self._layout = layout
             self._update(columns, names, title, smoothing, scale)
@@ -223,7 +237,21 @@ class Plotter:
             smooth.set_data(x, smoothed)
             ax.relim()
             ax.autoscale_view()
+        self._fit_title(title)
+
+    def _fit_title(self, title: str) -> None:
+        """The title in a font small enough to fit the figure's width (a suptitle is centred:
+        one wider than the figure was cut at both ends); on two lines at a " · ", in the
+        smallest size (the room above the panels holds two lines of it), if 8 pt does not fit."""
+        renderer = self._figure.canvas.get_renderer()
+        room = 0.98 * self._figure.bbox.width
         self._title.set_text(title)
+        for size in (12, 11, 10, 9, 8):
+            self._title.set_fontsize(size)
+            if self._title.get_window_extent(renderer).width <= room:
+                return
+        self._title.set_text(_two_lines(title))
+        self._title.set_fontsize(7)
 
     def _png(self) -> bytes:
         from PIL import Image
@@ -258,6 +286,21 @@ def final_png(
 
 
 _shared = Plotter()
+
+
+def last_render_built() -> bool:
+    """Whether the last `render` built its figure anew (a first drawing, a new metric, a theme)."""
+    return _shared.built
+
+
+def _two_lines(title: str) -> str:
+    """'a · b · c · d' -> 'a · b\\nc · d', split at the " · " nearest the middle."""
+    parts = title.split(" \u00b7 ")
+    if len(parts) < 2:
+        return title
+    lengths = [len(" \u00b7 ".join(parts[:i])) for i in range(1, len(parts))]
+    cut = min(range(len(lengths)), key=lambda i: abs(lengths[i] - len(title) / 2)) + 1
+    return " \u00b7 ".join(parts[:cut]) + "\n" + " \u00b7 ".join(parts[cut:])
 
 
 def render(columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()) -> bytes:

@@ -20,8 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from workbench._src.core.live import plot_spacing, shown
 from workbench._src.core.run import Event
-from workbench._src.core.run_stats import figures, shown_reason
+from workbench._src.core.run_stats import shown_reason
 from workbench._src.plots import breakdown_plot, run_plot
 from workbench._src.sinks.dashboard_view import (
     DashboardView,
@@ -31,6 +32,7 @@ from workbench._src.sinks.dashboard_view import (
     detect_frontend,
     failed_html,
 )
+from workbench._src.sinks.kernel_status import BusyWhileTheCellRuns
 
 __all__ = ["Dashboard", "detect_frontend", "failed_html"]
 
@@ -102,6 +104,8 @@ class Dashboard(DashboardView):
         self.config: dict = {}
         self.first_step = 1
         self.message: str | None = None
+        # The run's snapshot (core/live.py): the header, the bar and the figure show it.
+        self.snapshot: dict | None = None
         self.breakdown: dict | None = None  # the last "breakdown" event's data (rows, text)
         self.png: bytes | None = None  # the last figure drawn
         self.renders = 0
@@ -109,6 +113,7 @@ class Dashboard(DashboardView):
         self.render_threads: set[str] = set()
         self.render_times: list[float] = []
         self.render_costs: list[float] = []
+        self._redraw_costs: list[float] = []  # (renders that did not build the figure: live.plot_spacing)
         self.cpu_seconds = 0.0  # CPU the renderer thread used while the run went (all refreshes)
         self.error: BaseException | None = None
         self.smoothing: float | None = _choice["smoothing"]
@@ -131,11 +136,17 @@ class Dashboard(DashboardView):
                 from IPython.display import display as show
 
                 self._handle = show(self.widget, display_id=True)
+                # Showing a widget has JupyterLab ask the kernel for a subshell, whose answer
+                # made the kernel's indicator say Idle while the cell trained: Busy again.
+                BusyWhileTheCellRuns()
 
     # ----- the sink: runs on the training thread, so it only records -----------------------
     def send(self, event: Event) -> None:
         if event.kind == "metrics":
             self.history.add(event.data["rows"])
+            if "snapshot" in event.data:  # the run's one snapshot (core/live.py): shown now
+                self.snapshot = event.data["snapshot"]
+                self._wake.set()
             return
         if event.kind == "started":
             self.started, self.status, self.run_id = True, "running", event.run_id
@@ -147,6 +158,7 @@ class Dashboard(DashboardView):
             self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
         elif event.kind == "restart":  # a heal: marked on the step axis; its rows come again
             self.history.truncate(event.data["run_step"])
+            self.snapshot = event.data.get("snapshot") or self.snapshot
             self.heals.append(event.data["run_step"])
         elif event.kind == "renamed":
             self.name = event.data.get("name") or self.name
@@ -156,6 +168,7 @@ class Dashboard(DashboardView):
             self.run_id = self.run_id or event.run_id
             self.name = self.name or event.data.get("name") or _name_from_id(event.run_id)
             self._ended = dict(event.data)
+            self.snapshot = event.data.get("snapshot") or self.snapshot
             if self._thread is None:
                 self._finish()
             else:
@@ -242,14 +255,21 @@ class Dashboard(DashboardView):
         if self.status == "closed":
             self._bar.close() if self._bar is not None else None
             return
-        columns = self.history.snapshot()
+        columns, fig = shown(self.history.snapshot(), self.snapshot, self.status, final, self.target)
         summary = run_plot.summarize(columns)
-        running = not final and self.status == "running"
-        self._update_bar(
-            summary, figures(columns, running, self.target), run_plot.metric_names(columns), final
-        )
+        self._update_bar(summary, fig, run_plot.metric_names(columns), final)
         now = time.monotonic()
-        title = run_plot.title_for(self.config, self.status, columns, self.name, self.target)
+        title = run_plot.title_for(self.config, self.status, columns, self.name, self.target, fig=fig)
+        if self.frontend == "widgets":  # (before the figure, whose drawing takes a while)
+            reason = shown_reason(self.status, (self._ended or {}).get("reason"))
+            # data-snapshot: which of the run's snapshots the header shows (the sidebar's cards say too)
+            self._header.value = (
+                f"<div data-snapshot='{fig.get('seq', 0)}'>{_status_html(title, self.message, reason)}</div>"
+            )
+            if self.breakdown:  # where a step's time goes: a stacked bar per worker, a sentence
+                self._breakdown_bar.value = breakdown_plot.bar_html(
+                    self.breakdown["rows"], self.breakdown.get("text", "")
+                )
         if final:
             has_steps = bool(columns.get("step"))
             self.png = (
@@ -269,6 +289,8 @@ class Dashboard(DashboardView):
             self.png = run_plot.render(columns, live_title, self.smoothing, self.scale, self.heals)
             self._image.value = self.png
             self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
+            # The figure is drawn less often than the header refreshes: it says how far it goes.
+            self._figure_step.value = f"figure: steps 1-{len(columns['step']):,}"
             self._controls.layout.display = ""
             cost = time.thread_time() - t0
             self.renders += 1
@@ -276,12 +298,6 @@ class Dashboard(DashboardView):
             self.render_threads.add(threading.current_thread().name)
             self.render_times.append(now)
             self.render_costs.append(cost)
-            # Draw again only when this drawing is under render_budget of the time between.
-            self._next_plot = now + max(self.period, cost / self.render_budget)
-        if self.frontend == "widgets":
-            reason = shown_reason(self.status, (self._ended or {}).get("reason"))
-            self._header.value = _status_html(title, self.message, reason)
-            if self.breakdown:  # where a step's time goes: a stacked bar per worker, a sentence
-                self._breakdown_bar.value = breakdown_plot.bar_html(
-                    self.breakdown["rows"], self.breakdown.get("text", "")
-                )
+            if not run_plot.last_render_built():
+                self._redraw_costs.append(cost)
+            self._next_plot = now + plot_spacing(self._redraw_costs, self.period, self.render_budget)

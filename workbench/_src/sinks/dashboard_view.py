@@ -56,6 +56,8 @@ class DashboardView:
                 unit="step",
                 file=sys.stderr,
                 bar_format=BAR_FORMAT,
+                mininterval=0,  # every snapshot shown (they come <= 2 a second): no bar behind
+                miniters=1,
             )
         if self._bar is None:
             return
@@ -136,7 +138,9 @@ class DashboardView:
         if self._progress:
             from tqdm.notebook import tqdm
 
-            self._bar = tqdm(total=None, unit="step", display=False, bar_format=BAR_FORMAT)
+            self._bar = tqdm(
+                total=None, unit="step", display=False, bar_format=BAR_FORMAT, mininterval=0, miniters=1
+            )
             row.insert(0, self._bar.container)
         self._build_controls()
         # The controls above the figure, which stays the box's last child (the panel's tests and
@@ -170,13 +174,15 @@ class DashboardView:
                 "log (values <= 0 are not drawn)",
                 "linear",
             ],
-            style={"button_width": "56px"},
+            style={"button_width": "64px"},  # (56 px cut "linear" to "lin…")
         )
         self._smoothing_slider.observe(self._on_control, names="value")
         self._scale_buttons.observe(self._on_control, names="value")
         # Hidden with the figure until it is drawn.
+        self._figure_step = w.HTML()  # how far the figure goes (drawn less often than the header)
+        self._figure_step.add_class("wb-figure-step")
         self._controls = w.HBox(
-            [self._smoothing_slider, self._scale_buttons],
+            [self._smoothing_slider, self._scale_buttons, self._figure_step],
             layout=w.Layout(display="none", flex_flow="row wrap"),
         )
 

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.run import Run
+from workbench._src.core.run_names import backend_label
 from workbench._src.core.run_stats import figures, last_metrics
 from workbench._src.plots import theme
 from workbench._src.plots.run_plot import _smooth, thinned_indices
@@ -180,7 +181,8 @@ def _draw(runs: list[_Loaded]):
         if not len(h):
             continue
         step = np.arange(1, len(h) + 1)  # counted from each run's start
-        label = f"{run.name} ({run.config.get('backend', '?')} x {run.config.get('num_replicas', '?')})"
+        what = backend_label(run.config)  # (named once: a default name holds it already)
+        label = run.name if what in run.name else f"{run.name} ({what})"
         if "loss" in h:
             loss = h["loss"].to_numpy(dtype=float)
             # Smoothed only: the raw per-step noise of several runs would hide each other.

@@ -1,0 +1,76 @@
+"""One snapshot of a run for every live view (workbench/_src/core/live.py): the incremental
+figures equal run_stats.figures at every refresh; the Run hands each snapshot to its sinks in
+the metrics event that made it, at most every REFRESH_SECONDS, and ends with the whole run's."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from workbench._src.core import live
+from workbench._src.core.run import Run
+from workbench._src.core.run_stats import figures
+
+
+def _rows(n: int, start: int = 0, untimed: int = 0, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows, t = [], 0.0
+    for i in range(start, start + n):
+        t += rng.uniform(0.001, 0.02) * (20 if i % 97 == 0 else 1)  # chunks with gaps between
+        rate = math.nan if i < untimed else rng.uniform(100, 5000)
+        rows.append(
+            {"step": i + 1, "wall_time": t, "examples_per_sec": rate, "examples": 32.0, "loss": 1 / (i + 1)}
+        )
+    return rows
+
+
+@pytest.mark.parametrize("untimed", [0, 1, 7])
+def test_live_figures_equal_run_stats_figures_at_every_refresh(untimed):
+    rows = _rows(3000, untimed=untimed)
+    columns = {k: [r[k] for r in rows] for k in rows[0]}
+    keeper = live.LiveFigures()
+    done = 0
+    for size in (1, 3, 50, 200, 7, 900, 839, 1000):
+        keeper.add(rows[done : done + size])
+        done += size
+        part = {k: v[:done] for k, v in columns.items()}
+        assert keeper.figures(5000) == figures(part, running=True, target_steps=5000), done
+    assert keeper.last_metrics == {"loss": rows[-1]["loss"]}
+
+
+def test_a_run_hands_one_snapshot_to_every_sink_and_ends_with_the_whole_runs(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(live.time, "monotonic", lambda: clock[0])
+    run = Run({"backend": "single", "steps": 300})
+    seen = []
+    run.subscribe(lambda e: seen.append(e))
+    run._start()
+    rows = _rows(300)
+    for i in range(0, 300, 10):  # a chunk every 0.2 s: a snapshot every 0.6 s (>= 0.5 s)
+        clock[0] += 0.2
+        run.record_rows([dict(r) for r in rows[i : i + 10]])
+    snaps = [e.data["snapshot"] for e in seen if e.kind == "metrics" and "snapshot" in e.data]
+    assert [s["seq"] for s in snaps] == list(range(1, len(snaps) + 1)) and 9 <= len(snaps) <= 11
+    # The one kept on the run is the last handed out, at most one refresh (here 2 chunks) behind.
+    assert snaps[-1] is run.snapshot and 0 <= run.steps - run.snapshot["steps"] <= 20
+    run._end("finished")
+    final = seen[-1].data["snapshot"]
+    assert final is run.snapshot and final["final"] and final["steps"] == 300
+    whole = figures(run.history, running=False, target_steps=300)
+    assert {k: final[k] for k in whole} == whole  # what run.summary() says
+    assert final["metrics"] == {"loss": rows[-1]["loss"]}
+
+
+def test_a_rewound_run_has_a_snapshot_of_what_is_left_at_once():
+    """A heal rewinds the history to its checkpoint (launch/heal.py): the snapshot follows at once
+    (the "restart" event carries it), with the figures of the rows kept."""
+    run = Run({"backend": "multi-worker", "steps": 3000})
+    run._start()
+    run.record_rows(_rows(2000))
+    before = run.snapshot["seq"]
+    run._rewind(1200)
+    snap = run.snapshot
+    assert snap["seq"] == before + 1 and snap["steps"] == 1200
+    assert {k: snap[k] for k in figures({})} == figures(run.history, running=True, target_steps=3000)
