@@ -13,6 +13,11 @@ The TF-Replicator programming model over tf.distribute:
 Importing this package does not import TensorFlow; the first function that needs it does.
 """
 
+# The one module imported with the package: it installs the hook that holds back TensorFlow's
+# start-up lines when the user's own `import tensorflow` comes after `import workbench` (the
+# README's order), which lazy names alone would not (core/tf_setup.py; a few ms, no TensorFlow).
+from workbench._src.core import tf_setup as _tf_setup  # noqa: F401
+
 # Each public name and the module that defines it, imported when the name is first used
 # (PEP 562): `import workbench` itself loads no TensorFlow, numpy or pandas, and only the modules
 # of the names a notebook uses. `__all__` lists them as before; `from workbench import *` and
