@@ -179,14 +179,16 @@ def test_the_process_layer_within_its_budget():
 def test_import_workbench_loads_no_numpy_tensorflow_or_pandas():
     code = (
         "import sys, workbench; heavy = [m for m in ('numpy', 'tensorflow', 'pandas') if m in sys.modules]; "
-        "print(heavy, len([m for m in sys.modules if m.startswith('workbench')]))"
+        "print(heavy, '|', sorted(m for m in sys.modules if m.startswith('workbench')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    heavy, modules = out.stdout.strip().rsplit(" ", 1)
+    heavy, modules = out.stdout.strip().split(" | ")
     assert heavy == "[]", out.stdout
-    assert int(modules) <= 2, (
-        f"`import workbench` loaded {modules} workbench modules: load public names lazily"
-    )
+    # The package, and the hook that keeps a later `import tensorflow` quiet (core/tf_setup.py
+    # with the errors it raises): nothing a public name needs is loaded before it is used.
+    expected = ["workbench", "workbench._src", "workbench._src.core", "workbench._src.core.errors",
+                "workbench._src.core.tf_setup"]  # fmt: skip
+    assert modules == str(expected), f"`import workbench` loaded {modules}: load public names lazily"
 
 
 def _backend_name_comparisons(tree: ast.AST) -> list[int]:
