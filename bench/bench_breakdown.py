@@ -16,7 +16,9 @@ Benchmarks never assert timings; say the machine's load (printed) with the figur
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -32,7 +34,10 @@ def main():
     parser.add_argument("--batch", type=int, default=128, help="global batch")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    os.environ.setdefault("WORKBENCH_RUNS_DIR", tempfile.mkdtemp(prefix="bench-breakdown-runs-"))
+    if "WORKBENCH_RUNS_DIR" not in os.environ:  # the runs it records are not kept
+        runs = tempfile.mkdtemp(prefix="bench-breakdown-runs-")
+        atexit.register(shutil.rmtree, runs, ignore_errors=True)
+        os.environ["WORKBENCH_RUNS_DIR"] = runs
 
     import workbench as wb
 
