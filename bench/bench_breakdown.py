@@ -16,13 +16,12 @@ Benchmarks never assert timings; say the machine's load (printed) with the figur
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
+
+from bench_common import private_runs_dir
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,10 +33,7 @@ def main():
     parser.add_argument("--batch", type=int, default=128, help="global batch")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    if "WORKBENCH_RUNS_DIR" not in os.environ:  # the runs it records are not kept
-        runs = tempfile.mkdtemp(prefix="bench-breakdown-runs-")
-        atexit.register(shutil.rmtree, runs, ignore_errors=True)
-        os.environ["WORKBENCH_RUNS_DIR"] = runs
+    private_runs_dir("bench-breakdown-runs-")
 
     import workbench as wb
 

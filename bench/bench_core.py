@@ -22,12 +22,10 @@ never assert timings.
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
-import shutil
 import statistics
-import tempfile
 import time
+
+from bench_common import private_runs_dir
 
 
 def main():
@@ -41,10 +39,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--all-anchors", action="store_true")
     args = parser.parse_args()
-    if "WORKBENCH_RUNS_DIR" not in os.environ:  # the runs it records are not kept
-        runs = tempfile.mkdtemp(prefix="bench-core-runs-")
-        atexit.register(shutil.rmtree, runs, ignore_errors=True)
-        os.environ["WORKBENCH_RUNS_DIR"] = runs
+    private_runs_dir("bench-core-runs-")
 
     import workbench as wb
 
