@@ -9,6 +9,11 @@ class ConfigurationError(WorkbenchError, ValueError):
     """A replicator or run was asked for something that cannot work as given."""
 
 
+class CapacityError(ConfigurationError):
+    """The cluster has no room for a pool as asked (a Ray placement group that could not be met
+    within startup_timeout). An elastic run (`min_workers`) goes on with fewer workers instead."""
+
+
 class DeviceError(WorkbenchError, RuntimeError):
     """The devices a replicator needs are not there (or were fixed too early)."""
 

@@ -30,7 +30,7 @@ import shutil
 import threading
 import time
 
-from workbench._src.core.errors import ConfigurationError, WorkerError
+from workbench._src.core.errors import CapacityError, WorkerError
 from workbench._src.placements.local.processes import TMP_PREFIX
 from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_start_ticks
 from workbench._src.placements.ray.cluster import PLACEMENTS
@@ -269,7 +269,7 @@ class RayPlacement:
             if never
             else f"they were not free within startup_timeout={plan.startup_timeout:.0f} s (other jobs hold them)"
         )
-        raise ConfigurationError(
+        raise CapacityError(  # (a ConfigurationError: an elastic run goes on with fewer workers)
             f"The Ray cluster cannot place this {self.backend} pool: {count} processes of {bundle} "
             f"each, placement={self.cluster.placement!r}{' (one per node)' if spread else ''}; {why}. "
             f"It has {len(nodes)} node(s): {have}; free now: {free}. Fix: fewer workers, smaller "
