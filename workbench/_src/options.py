@@ -42,7 +42,9 @@ def restarts(text: str) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of restarts such as 3 (0: none), received {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a number of restarts such as 3 (0: none), received {text!r}"
+        )
     return value
 
 
@@ -97,6 +99,13 @@ WORKERS = _option(
     metavar="N",
     help=f"worker processes ({', '.join(registry.names(takes_workers=True))}; default 2)",
 )
+MIN_WORKERS = _option(
+    "--min-workers",
+    type=positive_int,
+    metavar="N",
+    help="multi-worker with --max-restarts: when the cluster has no room for every worker, go on "
+    "with fewer, not below N, keeping the global batch; grow back at a checkpoint once room returns",
+)
 PS = _option(
     "--ps",
     type=positive_int,
@@ -118,7 +127,9 @@ STEPS_PER_EXECUTION = _option(
     help="steps fused per compiled call, or auto (default)",
 )
 CHECKPOINT = _option("--checkpoint", metavar="DIR", help="save checkpoints in DIR (and resume from it)")
-CHECKPOINT_EVERY = _option("--checkpoint-every", type=positive_int, metavar="N", help="also save every N steps")
+CHECKPOINT_EVERY = _option(
+    "--checkpoint-every", type=positive_int, metavar="N", help="also save every N steps"
+)
 MAX_RESTARTS = _option(
     "--max-restarts",
     type=restarts,
@@ -139,7 +150,7 @@ BATCH_SIZE = _option(
 )
 
 # Where a run happens, and how a training run is told apart and kept.
-WHERE = (BACKEND, REPLICAS, WORKERS, PS)
+WHERE = (BACKEND, REPLICAS, WORKERS, MIN_WORKERS, PS)
 TRAINING = (STEPS, STEPS_PER_EXECUTION, CHECKPOINT, CHECKPOINT_EVERY, MAX_RESTARTS, NAME, TAGS)
 STUDY = (MODE, WARMUP, BATCH_SIZE)
 

@@ -42,9 +42,15 @@ class MultiWorkerPlan(LaunchPlan):
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
     ray: RayCluster | None = None  # placed on a Ray cluster (placements/ray/pool.py), else local
+    min_workers: int | None = None  # elastic: a heal may go on with this many workers (launch/elastic.py)
+
+    # min_workers says how far a run may shrink, not which processes run (a pool of 1 worker is
+    # the same whatever the run's floor).
+    NOT_SHAPE = (*LaunchPlan.NOT_SHAPE, "min_workers")
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
+        check_min_workers(self.min_workers, self.num_workers)
         if self.devices_per_worker is not None:
             check_positive_int("devices_per_worker", self.devices_per_worker)
         self.devices_per_worker = self.devices_per_worker or 1
@@ -52,6 +58,10 @@ class MultiWorkerPlan(LaunchPlan):
     @property
     def num_replicas(self) -> int:
         return self.num_workers * self.devices_per_worker
+
+    def with_workers(self, count: int) -> MultiWorkerPlan:
+        """This plan with `count` workers (an elastic run shrunk or grown back)."""
+        return dataclasses.replace(self, num_workers=count)
 
     def describe(self) -> dict:
         described = {
@@ -130,6 +140,19 @@ class MultiWorkerPlan(LaunchPlan):
         return env
 
 
+def check_min_workers(min_workers, num_workers: int) -> None:
+    """min_workers is None or a count from 1 to num_workers."""
+    if min_workers is None:
+        return
+    check_positive_int("min_workers", min_workers, fix=f"min_workers=1 (up to num_workers={num_workers})")
+    if min_workers > num_workers:
+        raise ConfigurationError(
+            f"min_workers is the fewest workers an elastic run goes on with, so it cannot exceed "
+            f"num_workers; received num_workers={num_workers}, min_workers={min_workers}. Fix: "
+            f"min_workers={max(1, num_workers // 2)}, or num_workers={min_workers} or more."
+        )
+
+
 class MultiWorkerReplicator(ProcessBackend):
     """Synchronous replicas in several worker processes, all-reducing over TensorFlow's gRPC runtime.
 
@@ -146,6 +169,11 @@ class MultiWorkerReplicator(ProcessBackend):
       idle_timeout: seconds a warm pool of local workers stays up unused (None: until shutdown()).
       pool: keep the local workers warm between runs of the same shape (False: start and stop
         them for every run).
+      min_workers: elastic worker counts (with `train(max_restarts=N)`): when the cluster has no
+        room for `num_workers` (a Ray node gone, no other with room), the run starts or heals
+        with fewer, never below `min_workers`, keeping the global batch (each worker takes a
+        larger share), and grows back to `num_workers` at a checkpoint once room returns.
+        None: always `num_workers`. Local workers always fit, so only Ray placements shrink.
 
     Example (functions defined in a notebook travel to the workers by value):
       >>> import workbench as wb
@@ -168,12 +196,19 @@ class MultiWorkerReplicator(ProcessBackend):
         threads_per_worker: int | None = None,
         idle_timeout: float | None = 600.0,
         pool: bool = True,
+        min_workers: int | None = None,
         **input_options,
     ):
         super().__init__(**input_options)
+        if min_workers is not None and cluster is not None:
+            raise ConfigurationError(
+                f"min_workers applies to the workers the workbench starts and heals (cluster=None, "
+                f"or a wb.RayCluster); on a cluster given as {cluster!r} its own scheduler restarts "
+                "the processes. Fix: leave min_workers out, or place the workers on Ray."
+            )
         self.plan = MultiWorkerPlan(
             num_workers, devices_per_worker, startup_timeout, heartbeat_timeout, threads_per_worker,
-            idle_timeout, pool,
+            idle_timeout, pool, min_workers=min_workers,
         )  # fmt: skip
         self.devices_per_worker = self.plan.devices_per_worker
         self._cluster_option = cluster

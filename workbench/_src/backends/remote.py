@@ -89,6 +89,20 @@ class LaunchPlan:
         """A member of this role may die without ending the run (async-ps's worker servers)."""
         return False
 
+    # ----- elastic runs (launch/elastic.py): only a plan with `min_workers` changes its count -----
+    def with_workers(self, count: int) -> LaunchPlan:
+        """This plan with `count` workers."""
+        raise NotImplementedError(f"{type(self).__name__} has no elastic worker count")
+
+    def room_to_grow(self, count: int, busy_nodes: set[str]) -> bool:
+        """Whether `count` more workers would fit where this plan places them (a Ray cluster's
+        free resources now); local processes always fit."""
+        if getattr(self, "ray", None) is None:
+            return True
+        from workbench._src.placements.ray.capacity import room_for  # (Ray only then)
+
+        return room_for(self.ray, count, busy_nodes)
+
     # Fields that change how long to wait or keep, not which processes run.
     NOT_SHAPE = ("startup_timeout", "heartbeat_timeout", "idle_timeout", "pool")
 
@@ -105,6 +119,13 @@ class ProcessBackend(Replicator):
     Plan: type[LaunchPlan]
 
     def __new__(cls, *args, **kwargs):
+        if "min_workers" in kwargs and "min_workers" not in inspect.signature(cls.__init__).parameters:
+            raise ConfigurationError(
+                f"min_workers (elastic worker counts) applies to synchronous multi-worker runs, whose "
+                f"every worker takes a share of each step; {cls.__name__} was given "
+                f"min_workers={kwargs['min_workers']!r}. An async-ps run already goes on without a "
+                "lost worker. Fix: leave min_workers out, or use wb.MultiWorkerReplicator."
+            )
         arguments = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
         arguments.pop("self")
         input_options = arguments.pop("input_options", {})

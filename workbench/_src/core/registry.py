@@ -194,11 +194,31 @@ def replicator(name: str = "mirrored", num_replicas: int | None = None, **kwargs
     return backend.replicator_class().from_replicas(num_replicas, **kwargs)
 
 
-def check_counts(backend: BackendSpec, num_replicas=None, num_workers=None, num_ps=None) -> None:
+def check_counts(
+    backend: BackendSpec, num_replicas=None, num_workers=None, num_ps=None, min_workers=None
+) -> None:
     """The counts a user gave fit the backend (the magic's, the panel's and the CLI's check)."""
-    for name, value in (("replicas", num_replicas), ("workers", num_workers), ("ps", num_ps)):
+    for name, value in (
+        ("replicas", num_replicas),
+        ("workers", num_workers),
+        ("ps", num_ps),
+        ("min-workers", min_workers),
+    ):
         if value is not None:
             check_positive_int(f"--{name}", value, fix=f"--{name} 2")
+    if min_workers is not None and not (backend.takes_workers and backend.synchronous):
+        raise ConfigurationError(
+            f"--min-workers (elastic worker counts) applies to synchronous runs on worker processes "
+            f"(multi-worker), whose every worker takes a share of each step; received "
+            f"backend={backend.name!r} with min-workers={min_workers}. Fix: --backend multi-worker, "
+            "or drop --min-workers (an async-ps run already goes on without a lost worker)."
+        )
+    if min_workers is not None and min_workers > (num_workers or 2):
+        raise ConfigurationError(
+            f"--min-workers is the fewest workers an elastic run goes on with, so it cannot exceed "
+            f"--workers; received --workers {num_workers or 2}{'' if num_workers else ' (the default)'}, "
+            f"--min-workers {min_workers}. Fix: --workers {min_workers} or more, or a smaller --min-workers."
+        )
     if num_workers is not None and not backend.takes_workers:
         takers = " and ".join(names(takes_workers=True))
         raise ConfigurationError(

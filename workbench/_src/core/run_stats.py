@@ -231,12 +231,15 @@ def shown_reason(status: str | None, reason: str | None) -> str | None:
 
 def heal_line(record: dict, restarts: list) -> str:
     """One line for the dashboard and the sidebar: "worker 1 lost (killed by SIGKILL) at step
-    312: restarted from step 300, 6.1 s (restart 1)"."""
+    312: restarted from step 300, 6.1 s (restart 1)"; an elastic run that went on with fewer
+    workers adds ", continued on 1 of 2 workers"."""
     where = f"step {record['step']}" if record["step"] is not None else "the start"
     seconds = f", {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
     lost_at = record.get("lost_at")
     at = f" at step {lost_at}" if lost_at else ""
+    workers, of = record.get("workers"), record.get("of_workers")
+    fewer = f", continued on {workers} of {of} workers" if workers and of and workers < of else ""
     return (
-        f"{record['member']} lost ({record['cause']}){at}: restarted from {where}{seconds} "
+        f"{record['member']} lost ({record['cause']}){at}: restarted from {where}{seconds}{fewer} "
         f"(restart {len(restarts)})"
     )

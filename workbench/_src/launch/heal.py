@@ -50,6 +50,7 @@ class Healing:
                 self.scratch = tempfile.mkdtemp(prefix="workbench-heal-")
                 self.options["checkpoint_dir"] = self.scratch
             self.options["checkpoint_every"] = self.options.get("checkpoint_every") or HEAL_CHECKPOINT_EVERY
+        self.elastic = None  # an elastic run's worker counts (launch/elastic.py), set by the launcher
         self.step_offset = 0  # rows of a healed attempt count on from the step it resumed at
         self._waiting: tuple[float, dict] | None = None  # (when healing began, its record)
 
@@ -75,7 +76,6 @@ class Healing:
         self.left -= 1
         lost_at = run.steps
         global_step, run_step = self._latest_checkpoint()
-        run._rewind(run_step)
         record = {
             "member": member or "a member",
             "cause": cause,
@@ -83,13 +83,28 @@ class Healing:
             "seconds": None,  # from the loss being known to the next step recorded
             "lost_at": lost_at,  # the run's step when the member was lost
         }
+        if self.elastic is not None and self.elastic.enabled:
+            record["workers"] = None  # the count it went on with, once its rows arrive
         run.restarts.append(record)
-        run.publish("restart", run_step=run_step, snapshot=run.snapshot, **record)  # (rewound)
+        self._resume_from(global_step, run_step, record)
+        self._waiting = (time.monotonic(), record)
+
+    def resume_latest(self) -> int | None:
+        """The next attempt resumes from the latest checkpoint, without a heal (an elastic run
+        growing back, from the save its members made when asked). Returns its global step."""
+        global_step, run_step = self._latest_checkpoint()
+        self._resume_from(global_step, run_step, None)
+        return global_step
+
+    def _resume_from(self, global_step: int | None, run_step: int, record: dict | None) -> None:
+        run = self.run
+        run._rewind(run_step)
+        if record is not None:
+            run.publish("restart", run_step=run_step, snapshot=run.snapshot, **record)  # (rewound)
         self.step_offset = run_step
         if global_step is not None:  # a checkpoint of this run exists: the next attempt resumes it
             self.options["resume"] = True
         self.options["warmup"] = 0  # (the first attempt's warm-up steps are in the checkpoint)
-        self._waiting = (time.monotonic(), record)
 
     def rows_arrived(self) -> None:
         """Called as the healed attempt's first rows come in: the heal is over; say it once."""
@@ -98,6 +113,8 @@ class Healing:
         began, record = self._waiting
         self._waiting = None
         record["seconds"] = round(time.monotonic() - began, 2)
+        if "workers" in record:  # an elastic run: how many workers it went on with, of how many
+            record["workers"], record["of_workers"] = self.elastic.workers, self.elastic.full.num_workers
         self.run.publish("message", text=heal_line(record, self.run.restarts))
 
     def _latest_checkpoint(self) -> tuple[int | None, int]:

@@ -13,11 +13,12 @@ the same for every backend and every placement.
 from __future__ import annotations
 
 from workbench._src.core.checkpoints import checkpoint_hint
-from workbench._src.core.errors import WorkerError
+from workbench._src.core.errors import CapacityError, WorkerError
 from workbench._src.core.run_loop import drive, new_run
 from workbench._src.core.run_options import options_from
 from workbench._src.launch import pool as pools
 from workbench._src.launch import shipping
+from workbench._src.launch.elastic import Elastic
 from workbench._src.launch.heal import Healing, preempted_member_name
 from workbench._src.launch.placement import Task
 from workbench._src.launch.watch import Watch, task_order
@@ -39,6 +40,7 @@ class Launcher:
         self.last_processes: list[dict] = []  # role/index/pid of every process of the last launch
         self.pool = None  # the pool of the last launch (launch/pool.py)
         self.healing = None  # the heals of the run going on (launch/heal.py)
+        self.elastic = None  # its worker count, when it may change (launch/elastic.py)
 
     @property
     def startup_timeout(self) -> float:
@@ -55,15 +57,22 @@ class Launcher:
         trained weights come back into `local_variables` (the variables a cell made here)."""
         opts = options_from(steps, options)
         run = new_run(replicator, work.step_fn, work.input_fn, opts)
+        elastic = Elastic(self.plan, run, opts, replicator)  # (checks min_workers against opts)
         healing = Healing(run, opts, opts.for_workers())
+        healing.elastic = elastic
         work.steps = steps
 
         def attempt(run):
-            """One launch of the run; with max_restarts, a lost or preempted member heals it."""
+            """One launch of the run; with max_restarts, a lost or preempted member heals it;
+            with min_workers, a pool the cluster has no room for is tried with fewer workers."""
             while True:
                 work.options = dict(healing.options)
                 try:
-                    results = self.launch(work, run)
+                    results = self.launch(work, run, plan=elastic.plan)
+                except CapacityError as error:
+                    if elastic.shrink(error):
+                        continue  # (nothing of the pool was placed: no restart is used)
+                    raise
                 except WorkerError as error:
                     if healing.lost_member(error):
                         healing.heal(error.task, error.cause)
@@ -74,6 +83,10 @@ class Launcher:
                         error.args = (error.args[0] + checkpoint_hint(saved[-1] if saved else None),)
                     raise
                 chief = results[self.chief]
+                if elastic.growing and chief["status"] == "preempted":
+                    healing.resume_latest()  # (from the save every member made when asked)
+                    elastic.grow()
+                    continue
                 if healing.preempted_member(chief):
                     self.shutdown()  # the preempted member's machine is going away: new processes
                     healing.heal(preempted_member_name(chief["reason"]), "preempted (SIGTERM)")
@@ -82,10 +95,11 @@ class Launcher:
 
         def body(run):
             self.healing = healing
+            self.elastic = elastic if elastic.enabled else None
             try:
                 chief = attempt(run)
             finally:
-                self.healing = None
+                self.healing = self.elastic = None
                 healing.close()
             run.compile_seconds = chief.get("compile_seconds")
             startup = getattr(run, "startup", None)
@@ -103,12 +117,13 @@ class Launcher:
 
         return drive(run, body, opts.background, opts.on_nonfinite)
 
-    def launch(self, work, run=None, timeout: float | None = None) -> dict:
+    def launch(self, work, run=None, timeout: float | None = None, plan=None) -> dict:
         """Hands `work` to the processes of a pool (a warm one of the same shape, or one started
         now), follows them to the end; returns task -> result. A run that ended cleanly leaves
-        the pool warm for the next; anything else retires it (launch/pool.py)."""
+        the pool warm for the next; anything else retires it (launch/pool.py). `plan`: another
+        worker count of this plan (an elastic run's)."""
         payload = shipping.dumps_for_workers(work)
-        pool, notes = pools.checkout(self.backend, self.plan)
+        pool, notes = pools.checkout(self.backend, plan or self.plan)
         self.pool = pool
         for note in notes:
             if run is not None:
@@ -148,5 +163,8 @@ class Launcher:
         return pools.prestart(self.backend, self.plan)
 
     def shutdown(self) -> None:
-        """Ends this plan's warm pool (an idle one now; a busy one when its run ends)."""
+        """Ends this plan's warm pool (an idle one now; a busy one when its run ends), and the
+        last one it ran on when that had fewer workers (an elastic run's)."""
         pools.shutdown(self.plan.shape())
+        if self.pool is not None and self.pool.shape != self.plan.shape():
+            pools.shutdown(self.pool.shape)

@@ -166,6 +166,13 @@ class Watch:
             )
         elif event_kind in ("checkpoint", "message"):
             run.publish(event_kind, **data)
+            elastic = self.launcher.elastic
+            if event_kind == "checkpoint" and elastic is not None:  # on fewer workers: room again?
+                elastic.at_checkpoint(self.pool, self._ask_to_stop)
+
+    def _ask_to_stop(self, cause: str) -> None:
+        """Every member saves at the next step boundary and ends "preempted" (`cause` says why)."""
+        self.channel.broadcast({"type": "stop", "run": self.number, "preempt": cause})
 
     def _check(self) -> None:
         now = time.monotonic()

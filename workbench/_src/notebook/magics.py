@@ -59,6 +59,7 @@ class ReplicateMagics(Magics):
         options.BACKEND.but(help=options.BACKEND.kwargs["help"] + " (default: the session's)"),
         options.REPLICAS,
         options.WORKERS,
+        options.MIN_WORKERS,
         options.PS,
         options.CLUSTER,
         options.STEPS.but(
@@ -286,7 +287,14 @@ class ReplicateMagics(Magics):
                 )
             return repl
         try:
-            return session.choose(args.backend, args.replicas, args.workers, args.ps, cluster=args.cluster)
+            return session.choose(
+                args.backend,
+                args.replicas,
+                args.workers,
+                args.ps,
+                cluster=args.cluster,
+                min_workers=args.min_workers,
+            )
         except (ConfigurationError, DeviceError) as e:
             raise UsageError(str(e)) from None
 
@@ -363,6 +371,7 @@ def _choice_text(args) -> str:
         ("--backend", args.backend),
         ("--replicas", args.replicas),
         ("--workers", args.workers),
+        ("--min-workers", args.min_workers),
         ("--ps", args.ps),
         ("--cluster", args.cluster),
     )
@@ -370,4 +379,5 @@ def _choice_text(args) -> str:
 
 
 def _choice_given(args) -> bool:
-    return any(v is not None for v in (args.backend, args.replicas, args.workers, args.ps, args.cluster))
+    given = (args.backend, args.replicas, args.workers, args.min_workers, args.ps, args.cluster)
+    return any(v is not None for v in given)

@@ -53,6 +53,7 @@ def choose(
     num_workers: int | None = None,
     num_ps: int | None = None,
     cluster: str | None = None,
+    min_workers: int | None = None,
 ):
     """Sets the session's replicator by backend name; returns it. What `%replicate --backend` does.
 
@@ -65,6 +66,8 @@ def choose(
       num_workers: worker processes (multi-worker, async-ps only).
       num_ps: parameter servers (async-ps only).
       cluster: "ray", "ray=ADDRESS" or "ray=local": place the worker processes on a Ray cluster.
+      min_workers: multi-worker only: the fewest workers an elastic run goes on with when the
+        cluster has no room for all (with max_restarts); see wb.MultiWorkerReplicator.
 
     Example:
       >>> import workbench as wb
@@ -76,7 +79,7 @@ def choose(
         if backend is None:
             backend = (chosen or {}).get("backend") or getattr(now, "backend", None) or registry.DEFAULT
         backend = normalize_backend(backend)
-        registry.check_counts(registry.spec(backend), num_replicas, num_workers, num_ps)
+        registry.check_counts(registry.spec(backend), num_replicas, num_workers, num_ps, min_workers)
         registry.check_cluster(registry.spec(backend), cluster)
         choice = {
             "backend": backend,
@@ -84,10 +87,12 @@ def choose(
             "num_workers": num_workers,
             "num_ps": num_ps,
             "cluster": cluster,
+            "min_workers": min_workers,
         }
         if now is not None and choice == chosen:
             return now
-        extra = {k: v for k, v in (("num_workers", num_workers), ("num_ps", num_ps)) if v is not None}
+        counts = (("num_workers", num_workers), ("num_ps", num_ps), ("min_workers", min_workers))
+        extra = {k: v for k, v in counts if v is not None}
         if cluster is not None:
             extra["cluster"] = RayCluster.from_option(cluster)
         repl = registry.replicator(backend, num_replicas=num_replicas, **extra)

@@ -262,7 +262,7 @@ def _resume_hint(args) -> str:
 def _check_options(args) -> None:
     """The counts and --cluster fit the backend: a sentence with the fix, not a TypeError."""
     backend = registry.spec(args.backend, example="workbench run FILE --backend mirrored")
-    registry.check_counts(backend, args.replicas, args.workers, args.ps)
+    registry.check_counts(backend, args.replicas, args.workers, args.ps, args.min_workers)
     if args.worker_timeout is not None and backend.synchronous:
         raise ConfigurationError(
             f"--worker-timeout is how long an async-ps worker may be silent before the run goes on "
@@ -298,6 +298,8 @@ def _make_replicator(args):
     extra = {}
     if args.workers is not None:
         extra["num_workers"] = args.workers
+    if args.min_workers is not None:
+        extra["min_workers"] = args.min_workers
     if args.ps is not None:
         extra["num_ps"] = args.ps
     if args.cluster:
