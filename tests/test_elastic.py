@@ -1,0 +1,123 @@
+"""Elastic worker counts for sync runs (issue 40, item 3): `min_workers`.
+
+A pool the Ray cluster has no room for is launched with fewer workers, keeping the global batch,
+so the weights stay those of one device on it; a heal that cannot replace a lost member goes on
+with fewer; a run on fewer workers grows back at a checkpoint once room returns. Nothing is
+mocked: the lack of room is Ray's own (a one-node instance cannot place two workers one per
+node; a node removed from a multi-node cluster on this machine takes its worker with it). Each
+test starts its own Ray processes and ends them by their handles (never `ray stop`).
+"""
+
+import cloudpickle
+import pytest
+import toy_models
+from helpers import assert_same_checkpoints, wait_for, wait_for_steps
+from toy_models import mlp_setup
+
+import workbench as wb
+from workbench._src.core.run_stats import heal_line
+
+pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+cloudpickle.register_pickle_by_value(toy_models)  # setup= travels to the Ray actors
+
+
+def _messages(run, words: str) -> list[str]:
+    return [e.data["text"] for e in run.events if e.kind == "message" and words in e.data.get("text", "")]
+
+
+def _one_device(folder, steps: int) -> None:
+    """The reference: one device on the global batch, saved at the same steps."""
+    wb.replicator("single").train(setup=mlp_setup, steps=steps, checkpoint_dir=folder, checkpoint_every=25)
+
+
+def test_min_workers_is_checked_where_it_is_given():
+    with pytest.raises(wb.ConfigurationError, match="cannot exceed num_workers"):
+        wb.MultiWorkerReplicator(num_workers=2, min_workers=3)
+    with pytest.raises(wb.ConfigurationError, match="min_workers must be a positive integer"):
+        wb.MultiWorkerReplicator(num_workers=2, min_workers=0)
+    with pytest.raises(wb.ConfigurationError, match="synchronous multi-worker runs"):
+        wb.MultiWorkerAsyncReplicator(num_workers=2, min_workers=1)
+    with pytest.raises(wb.ConfigurationError, match="its own scheduler restarts"):
+        wb.MultiWorkerReplicator(
+            num_workers=2,
+            min_workers=1,
+            cluster={"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}},
+        )
+    repl = wb.MultiWorkerReplicator(num_workers=2, min_workers=1)
+    with pytest.raises(wb.ConfigurationError, match="max_restarts=0, so it never heals"):
+        repl.train(setup=mlp_setup, steps=3)
+    from workbench._src.core import registry
+
+    with pytest.raises(wb.ConfigurationError, match="--min-workers .* multi-worker"):
+        registry.check_counts(registry.spec("async-ps"), num_workers=2, min_workers=1)
+    with pytest.raises(wb.ConfigurationError, match="--workers 2 \\(the default\\), --min-workers 3"):
+        registry.check_counts(registry.spec("multi-worker"), min_workers=3)
+
+
+def test_the_heal_line_says_how_many_workers_it_went_on_with():
+    record = {"member": "worker 1", "cause": "its node died", "step": 100, "seconds": 31.24, "lost_at": 120}
+    assert heal_line({**record, "workers": 1, "of_workers": 2}, [record]) == (
+        "worker 1 lost (its node died) at step 120: restarted from step 100, 31.2 s, "
+        "continued on 1 of 2 workers (restart 1)"
+    )
+    assert "continued" not in heal_line({**record, "workers": 2, "of_workers": 2}, [record])
+
+
+@pytest.mark.slow
+def test_a_pool_one_node_cannot_place_starts_on_fewer_workers_and_equals_one_device(tmp_path):
+    import ray
+
+    # spread: one worker per node; a local Ray instance is one node, so 2 workers never fit.
+    cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 1}, placement="spread")
+    try:
+        repl = wb.MultiWorkerReplicator(num_workers=2, min_workers=1, cluster=cluster)
+        run = repl.train(
+            setup=mlp_setup, steps=100, checkpoint_dir=tmp_path / "elastic", checkpoint_every=25,
+            max_restarts=1, steps_per_execution=5,
+        )  # fmt: skip
+        assert run.status == "finished", run.stop_reason
+        assert run.history["step"].tolist() == list(range(1, 101))
+        assert run.restarts == []  # no member was lost: a start on fewer workers is no heal
+        assert [p["role"] for p in run.processes] == ["worker"]
+        [said] = _messages(run, "going on with")
+        assert "cannot place this multi-worker pool" in said and "1 of 2 workers (min_workers=1)" in said
+        assert not _messages(run, "growing back")  # the probe at each checkpoint found no room
+        repl.shutdown()
+    finally:
+        ray.shutdown()
+    _one_device(tmp_path / "one", 100)
+    assert_same_checkpoints(tmp_path / "elastic", tmp_path / "one", atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})  # this machine's own Ray nodes
+    try:
+        second = nodes.add_node(num_cpus=1)
+        cluster = wb.RayCluster(address=nodes.address, resources_per_worker={"CPU": 1}, placement="spread")
+        repl = wb.MultiWorkerReplicator(num_workers=2, min_workers=1, cluster=cluster, startup_timeout=90)
+        run = repl.train(
+            setup=mlp_setup, steps=400, checkpoint_dir=tmp_path / "elastic", checkpoint_every=25,
+            max_restarts=1, background=True, steps_per_execution=5,
+        )  # fmt: skip
+        wait_for_steps(run, 120)
+        nodes.remove_node(second)  # the node and the worker on it are gone; the other node is full
+        wait_for(lambda: run.restarts and run.restarts[0].get("workers"), 300, "the heal on fewer workers")
+        assert run.restarts[0]["workers"] == 1 and run.restarts[0]["of_workers"] == 2
+        assert _messages(run, "continued on 1 of 2 workers")
+        nodes.add_node(num_cpus=1)  # room again: the run grows back at a checkpoint
+        run.wait(600)
+        assert run.status == "finished", run.stop_reason
+        assert run.history["step"].tolist() == list(range(1, 401))  # each step once
+        assert len(run.restarts) == 1  # growing back is no heal
+        assert _messages(run, "growing back from 1 to 2 workers")
+        assert [p["role"] for p in run.processes] == ["worker", "worker"]
+        repl.shutdown()
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+    _one_device(tmp_path / "one", 400)
+    assert_same_checkpoints(tmp_path / "elastic", tmp_path / "one", atol=1e-5)

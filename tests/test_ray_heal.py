@@ -1,0 +1,136 @@
+"""The `ray-heal` bar (issue 40): a sync run on a two-node Ray cluster loses a node and finishes on
+the one left (`min_workers=1`).
+
+Two network namespaces joined by a veth pair are the two hosts (tests/two_hosts.py, NOTES.md);
+`ray start --head` runs in the first, `ray start --address` in the second, and the driver (the
+notebook's side) in the first. multi-worker x2 with placement="spread" puts one worker on each
+node; at row 120 the second host's link is cut. The run heals: the new pool of two cannot be
+placed (the second node is unreachable, the first has room for one), so it goes on with one
+worker from its last checkpoint and finishes: 300 rows, steps 1..300 once each, one restart,
+the weights of one device on the global batch. Nothing of the run is left on either node. Every
+process is ended by the pids of the two namespaces (never `ray stop`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import PROCESS_CELL
+from two_hosts import RayNodes, TwoHosts
+
+pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+pytestmark = pytest.mark.slow
+
+DRIVER = r"""
+import json, sys, time
+import numpy as np
+import workbench as wb
+
+cell, head = sys.argv[1], sys.argv[2]
+cluster = wb.RayCluster(address=head, resources_per_worker={"CPU": 1}, placement="spread")
+# startup_timeout bounds the wait for a placement the cluster cannot meet (the lost node still
+# looks alive to Ray for a while), then the run shrinks.
+repl = wb.MultiWorkerReplicator(num_workers=2, min_workers=1, cluster=cluster, startup_timeout=60)
+ns_ray, ns_one = {}, {}
+run = repl.train_cell(
+    cell, ns_ray, steps=300, checkpoint_every=50, max_restarts=1, background=True, steps_per_execution=5
+)
+while run.steps < 120 and run.running:
+    time.sleep(0.01)
+print("AT120 " + json.dumps({"rows": run.steps, "processes": run.processes}), flush=True)
+sys.stdin.readline()  # the test has cut the link
+run.wait(timeout=900)
+out = {
+    "status": run.status,
+    "steps": run.history["step"].tolist(),
+    "global_steps": run.history["global_step"].tolist(),
+    "restarts": run.restarts,
+    "processes": run.processes,
+    "said": [e.data["text"] for e in run.events if e.kind == "message"],
+}
+repl.shutdown()
+wb.NonReplicator().train_cell(cell, ns_one, steps=300)
+out["max_difference"] = max(
+    float(np.max(np.abs(a - b))) for a, b in zip(ns_ray["model"].get_weights(), ns_one["model"].get_weights())
+)
+print("RESULT " + json.dumps(out, default=str), flush=True)
+"""
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    hosts = TwoHosts()
+    nodes = RayNodes(hosts)
+    try:
+        nodes.start(tmp_path)
+        yield hosts, nodes
+    finally:
+        hosts.close()  # every process of both namespaces, by pid: Ray's daemons and actors
+        nodes.close()
+
+
+def test_a_node_lost_mid_run_heals_on_one_worker_and_finishes_as_one_device(two_nodes, tmp_path):
+    hosts, nodes = two_nodes
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    cell = PROCESS_CELL.replace("keras.layers.Dense(1)", "keras.layers.Dense(1, kernel_initializer='zeros')")
+    log = open(tmp_path / "driver.err", "w")
+    driver = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(script), cell, nodes.head],
+        env={**os.environ, **nodes.env, "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=tmp_path,
+    )
+
+    def read_until(tag: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = driver.stdout.readline()
+            if not line:
+                break
+            kind, _, data = line.partition(" ")
+            if kind == tag:
+                return json.loads(data)
+        raise AssertionError(
+            f"the driver never said {tag}; its stderr:\n{(tmp_path / 'driver.err').read_text()[-4000:]}"
+        )
+
+    try:
+        at_120 = read_until("AT120", 600)
+        assert sorted(p["node"] for p in at_120["processes"]) == sorted(hosts.addresses), at_120
+        hosts.cut()
+        driver.stdin.write("cut\n")
+        driver.stdin.flush()
+        result = read_until("RESULT", 900)
+        assert driver.wait(timeout=120) == 0, (tmp_path / "driver.err").read_text()[-3000:]
+
+        assert result["status"] == "finished", result
+        assert result["steps"] == list(range(1, 301)), "not one row per step"  # 300 rows, each once
+        assert result["global_steps"] == list(range(1, 301))
+        [heal] = result["restarts"]
+        assert heal["workers"] == 1 and heal["of_workers"] == 2, heal
+        assert heal["step"] in (50, 100) and heal["step"] <= heal["lost_at"], heal
+        assert [p["node"] for p in result["processes"]] == [hosts.addresses[0]], result["processes"]
+        assert any("continued on 1 of 2 workers" in text for text in result["said"]), result["said"]
+        assert result["max_difference"] < 1e-5, result["max_difference"]
+
+        # Nothing of the run is left on either node: the first pool's actors (the far one once its
+        # raylet gives up on the head it cannot reach) and the healed pool's (shut down).
+        actors = [p["pid"] for p in at_120["processes"] + result["processes"]]
+        deadline = time.monotonic() + 120
+        while any(pid in hosts.pids() for pid in actors) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [pid for pid in actors if pid in hosts.pids()]
+        assert not left, f"actors of the run still alive: {left}"
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        log.close()
