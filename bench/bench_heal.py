@@ -10,6 +10,9 @@ Run: python bench/bench_heal.py [--steps 3000] [--repeats 3]
    SIGKILLed at step 300 of 600; printed: run.restarts[0]["seconds"] (the loss known -> the next
    step recorded: new processes, cluster join, restore, retrace) and the steps trained again.
    With --cluster, the same on a Ray-placed pool.
+3. With --cluster: the elastic probe (launch/elastic.py) a run on fewer workers makes at each
+   checkpoint: the median time of one `room_for` call (Ray's per-node free resources), against
+   the time between two checkpoints it is paid once in.
 """
 
 from __future__ import annotations
@@ -117,6 +120,21 @@ def heal_time(wb, cluster=None, label="local") -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def probe_cost(wb, cluster, calls: int = 50) -> None:
+    from workbench._src.placements.ray.capacity import room_for
+
+    cluster.connect()
+    times = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        room_for(cluster, 1, set())
+        times.append(time.perf_counter() - began)
+    print(
+        f"elastic probe on {cluster.describe()}: median {statistics.median(times) * 1e3:.2f} ms, "
+        f"max {max(times) * 1e3:.2f} ms per checkpoint ({calls} calls); load {os.getloadavg()[0]:.1f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
@@ -128,7 +146,9 @@ def main() -> None:
     checkpoint_cost(wb, args.steps, args.repeats)
     heal_time(wb)
     if args.cluster:
-        heal_time(wb, wb.RayCluster.from_option(args.cluster), label=args.cluster)
+        cluster = wb.RayCluster.from_option(args.cluster)
+        heal_time(wb, cluster, label=args.cluster)
+        probe_cost(wb, cluster)
 
 
 if __name__ == "__main__":

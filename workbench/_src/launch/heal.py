@@ -52,6 +52,7 @@ class Healing:
             self.options["checkpoint_every"] = self.options.get("checkpoint_every") or HEAL_CHECKPOINT_EVERY
         self.elastic = None  # an elastic run's worker counts (launch/elastic.py), set by the launcher
         self.step_offset = 0  # rows of a healed attempt count on from the step it resumed at
+        self.continued = False  # the next attempts continue this run (a heal, an elastic grow)
         self._waiting: tuple[float, dict] | None = None  # (when healing began, its record)
 
     # ----- deciding -----------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class Healing:
         if record is not None:
             run.publish("restart", run_step=run_step, snapshot=run.snapshot, **record)  # (rewound)
         self.step_offset = run_step
+        self.continued = True
         if global_step is not None:  # a checkpoint of this run exists: the next attempt resumes it
             self.options["resume"] = True
         self.options["warmup"] = 0  # (the first attempt's warm-up steps are in the checkpoint)

@@ -157,8 +157,9 @@ class Watch:
                 healing.rows_arrived()
             run.record_rows(rows)
         elif event_kind == "started":
-            if run.restarts:  # a healed attempt: the run started long ago, and its goal stays
-                return
+            healing = self.launcher.healing
+            if run.restarts or (healing is not None and healing.continued):
+                return  # a healed or grown attempt: the run started long ago, and its goal stays
             steps = data.get("steps", run.config.get("steps"))
             run.config["steps"] = steps  # (a resumed run that finishes its goal runs fewer)
             run.publish(
