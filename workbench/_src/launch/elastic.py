@@ -85,7 +85,7 @@ class Elastic:
         probe for room; when there is, `ask_to_stop(cause)` makes every member save and stop at
         the next step boundary (the launcher then starts the whole pool: `grow`)."""
         self.regrowing = False  # (this attempt's pool was placed)
-        if self.growing or self.workers >= self.full.num_workers:
+        if self.growing or self.workers >= self.full.num_workers or self.run.stop_requested:
             return
         if self.probes_to_skip:
             self.probes_to_skip -= 1

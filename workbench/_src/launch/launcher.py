@@ -83,7 +83,7 @@ class Launcher:
                         error.args = (error.args[0] + checkpoint_hint(saved[-1] if saved else None),)
                     raise
                 chief = results[self.chief]
-                if elastic.growing and chief["status"] == "preempted":
+                if elastic.growing and chief["status"] == "preempted" and not run.stop_requested:
                     healing.resume_latest()  # (from the save every member made when asked)
                     elastic.grow()
                     continue
