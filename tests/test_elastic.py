@@ -136,3 +136,50 @@ def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp
         nodes.shutdown()
     _one_device(tmp_path / "one", 400)
     assert_same_checkpoints(tmp_path / "elastic", tmp_path / "one", atol=1e-5)
+
+
+def _per_replica_weights(replicas: int, shape: str, data) -> list:
+    """50 steps of a linear model on `replicas` mirrored replicas, PER_REPLICA input of `shape`."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    x, _ = data
+    y = x @ np.linspace(-1, 1, x.shape[1], dtype="float32")[:, None]
+    repl = wb.replicator("mirrored", num_replicas=replicas, input_replication=wb.InputReplication.PER_REPLICA)
+    with repl.context():
+        model = keras.Sequential(
+            [keras.Input((x.shape[1],)), keras.layers.Dense(1, kernel_initializer="zeros")]
+        )
+        optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
+
+    def input_fn(ctx):
+        shard = tf.data.Dataset.from_tensor_slices((x, y)).repeat().shard(ctx.num_replicas, ctx.replica_id)
+        return (
+            shard.batch(32 // ctx.num_replicas)
+            if shape == "global batch over the replicas"
+            else shard.batch(16)
+        )
+
+    def step_fn(features, targets):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(features) - targets) ** 2)
+        optimizer.minimize(loss, model.trainable_variables, tape=tape)
+        return {"loss": loss}
+
+    repl.train(step_fn, input_fn, steps=50)
+    return model.get_weights()
+
+
+def test_the_per_replica_pipeline_shape_that_stays_exact_when_the_count_changes(data):
+    # shard(n, i).batch(GLOBAL // n): step k's replicas take examples k*GLOBAL .. (k+1)*GLOBAL - 1
+    # between them on any count (what README and launch/elastic.py document); a fixed per-replica
+    # batch makes the global batch change with the count.
+    import numpy as np
+
+    def largest_difference(shape):
+        one, two = (_per_replica_weights(n, shape, data) for n in (1, 2))
+        return max(float(np.max(np.abs(a - b))) for a, b in zip(one, two))
+
+    assert largest_difference("global batch over the replicas") < 1e-6
+    assert largest_difference("fixed per-replica batch") > 1e-4
