@@ -122,6 +122,7 @@ def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp
         nodes.remove_node(second)  # the node and the worker on it are gone; the other node is full
         wait_for(lambda: run.restarts and run.restarts[0].get("workers"), 300, "the heal on fewer workers")
         assert run.restarts[0]["workers"] == 1 and run.restarts[0]["of_workers"] == 2
+        print("heal:", run.restarts[0])  # (pytest -rP shows it: the heal's seconds)
         assert _messages(run, "continued on 1 of 2 workers")
         nodes.add_node(num_cpus=1)  # room again: the run grows back at a checkpoint
         run.wait(600)
