@@ -184,3 +184,28 @@ def test_the_per_replica_pipeline_shape_that_stays_exact_when_the_count_changes(
 
     assert largest_difference("global batch over the replicas") < 1e-6
     assert largest_difference("fixed per-replica batch") > 1e-4
+
+
+def test_min_workers_reaches_the_replicator_from_the_magic_and_the_command_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from workbench._src.core import current
+    from workbench._src.notebook import session
+
+    before = current.current_or_none(), current.current_choice()
+    try:
+        repl = session.choose("multi-worker", num_workers=3, min_workers=2)  # what %replicate does
+    finally:
+        current.set_current(*before)  # (the session's replicator, for the tests after this one)
+    assert (repl.plan.num_workers, repl.plan.min_workers) == (3, 2)
+    assert repl.plan.shape() == wb.MultiWorkerReplicator(num_workers=3).plan.shape()  # (no new pool shape)
+    example = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    wrong = subprocess.run(
+        [sys.executable, "-m", "workbench.cli", "run", str(example), "--backend", "async-ps", "--min-workers", "1",
+         "--steps", "3"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert wrong.returncode == 2, wrong.stderr
+    assert "--min-workers (elastic worker counts) applies to synchronous runs" in wrong.stderr
