@@ -11,6 +11,8 @@ cannot run collectives again after a peer is lost (its collective runtime is abo
 and an async-ps cluster that lost its parameter server has lost its variables; both need new
 processes. Ray Train's FailureConfig does the same (tear down the worker group, resume from the
 last checkpoint). The fork server makes the new processes cheap (TensorFlow is imported once).
+With `min_workers`, a new pool the cluster has no room for is launched with fewer workers
+(launch/elastic.py); the heal's record then says how many it went on with.
 
 Without checkpoint_dir, a temporary folder holds the checkpoints and is removed when the run
 ends; without checkpoint_every, the run saves every HEAL_CHECKPOINT_EVERY steps (and at its
