@@ -29,6 +29,7 @@ _PUBLIC = {
     "MultiWorkerReplicator": "workbench._src.backends.multi_worker",
     "NonReplicator": "workbench._src.backends.single",
     "TpuReplicator": "workbench._src.backends.tpu",
+    "CapacityError": "workbench._src.core.errors",
     "ConfigurationError": "workbench._src.core.errors",
     "DeviceError": "workbench._src.core.errors",
     "InputError": "workbench._src.core.errors",
@@ -91,6 +92,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchNormReport",
     "Comparison",
+    "CapacityError",
     "ConfigurationError",
     "CrossReplicaBatchNorm",
     "DeviceError",
