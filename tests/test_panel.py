@@ -181,7 +181,7 @@ def test_run_with_restarts_heals_a_killed_worker_and_its_magic_line_does_the_sam
             assert p._max_restarts.disabled is False and p.max_restarts == 0
             p._max_restarts.value = 1  # as a researcher types it
             assert p.max_restarts == 1 and "--max-restarts 1" in p.magic_line, p.magic_line
-            with pytest.raises(traitlets.TraitError, match="max_restarts must be 0 or more; received -1"):
+            with pytest.raises(traitlets.TraitError, match="max_restarts.*should not be less than 0"):
                 p.max_restarts = -1
             run = p.start()
             assert run is not None, p.status

@@ -32,9 +32,7 @@ class Panel(w.VBox):
     workers = traitlets.Int(2, help="worker processes (multi-worker, async-ps)")
     ps = traitlets.Int(1, help="parameter servers (async-ps)")
     steps = traitlets.Int(300, help="steps Run trains")
-    max_restarts = traitlets.Int(
-        0, help="heals a run on worker processes may make after a lost member (0: a loss ends it)"
-    )
+    max_restarts = traitlets.Int(0, min=0, help="heals of a run on worker processes (0: a lost one ends it)")
     magic_line = traitlets.Unicode("", help="the %replicate line that does what Run does")
     status = traitlets.Unicode("", help="what the panel last did, or why it could not")
     pool_text = traitlets.Unicode("", help="the warm worker pools of this kernel ('' when none)")
@@ -78,13 +76,6 @@ class Panel(w.VBox):
             raise traitlets.TraitError(
                 f"replicas must be between 1 and {self.max_replicas} (the devices found); received {value}."
             )
-        return value
-
-    @traitlets.validate("max_restarts")
-    def _valid_max_restarts(self, proposal):
-        value = proposal["value"]
-        if value < 0:
-            raise traitlets.TraitError(f"max_restarts must be 0 or more; received {value}.")
         return value
 
     @traitlets.validate("cluster")
@@ -303,7 +294,7 @@ class Panel(w.VBox):
             continuous_update=False,
             layout=w.Layout(width="260px"),
         )
-        self._cluster.observe(lambda c: self._set_cluster(c["new"]), "value")
+        self._cluster.observe(lambda c: self._set_from_widget("cluster", c["new"]), "value")
         self._cluster_info = w.HTML()
         for widget, trait in (
             (self._replicas, "replicas"),
@@ -361,15 +352,7 @@ class Panel(w.VBox):
         else:
             self._sync_widgets()  # a toggle cannot be switched off: pick another backend
 
-    def _set_cluster(self, value: str) -> None:
-        if not self._syncing:
-            try:
-                self.cluster = value
-            except traitlets.TraitError as e:
-                self.status = f"error: {e}"
-                self._sync_widgets()
-
-    def _set_from_widget(self, trait: str, value: int) -> None:
+    def _set_from_widget(self, trait: str, value) -> None:
         if not self._syncing:
             try:
                 setattr(self, trait, value)
