@@ -70,8 +70,8 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
         else wb.MultiWorkerAsyncReplicator(num_ps=1, **options)
     )
     seen: dict[int, dict[str, float]] = {}
+    pids, renewed = None, []
     try:
-        pids, renewed = None, []
         for n in range(1, runs + 1):
             run = repl.train(setup=digits_setup, steps=20)
             assert run.status == "finished", run.stop_reason
@@ -88,6 +88,7 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
     print(
         f"{backend}{where}: RSS (MiB) after runs {', '.join(map(str, marks))}; growth from run 10 to {runs}"
     )
+    print(f"  the pool was renewed (MEMORY_GROWTH_LIMIT) before runs: {renewed or 'none'}")
     for name in seen[marks[0]]:
         values = [seen[n].get(name, float("nan")) for n in marks]
         growth = 100 * (values[-1] / values[0] - 1)
