@@ -107,10 +107,21 @@ def _two_ray_nodes():
 
 
 @pytest.mark.slow
-def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp_path):
+def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp_path, monkeypatch):
+    import shutil
+    import tempfile
+
     import ray
 
-    nodes, second = _two_ray_nodes()
+    # Ray's files (sessions, the address file) in a folder of this test's own, not the machine's
+    # /tmp/ray; short, as its Unix socket paths must stay under 108 bytes.
+    root = tempfile.mkdtemp(prefix="wbray", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", root)
+    try:
+        nodes, second = _two_ray_nodes()
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     try:
         cluster = wb.RayCluster(address=nodes.address, resources_per_worker={"CPU": 1}, placement="spread")
         repl = wb.MultiWorkerReplicator(num_workers=2, min_workers=1, cluster=cluster, startup_timeout=90)
@@ -135,6 +146,7 @@ def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp
     finally:
         ray.shutdown()
         nodes.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
     _one_device(tmp_path / "one", 400)
     assert_same_checkpoints(tmp_path / "elastic", tmp_path / "one", atol=1e-5)
 
