@@ -52,17 +52,34 @@ def listening(callback):
             _listeners.remove(callback)
 
 
-class Ticker:
-    """Says `text` with the seconds waited so far, at most every `every` seconds (a wait of
-    unknown length shows it is still going)."""
+class Phases:
+    """Says each phase of a start as it begins (`now(text)`), and while one lasts, says it again
+    every `every` seconds with the seconds spent in it: a wait of unknown length shows it goes on.
+    Used as a context manager (a daemon thread repeats the phase while the block runs)."""
 
-    def __init__(self, text: str, every: float = 5.0):
-        self.text, self.every = text, every
-        self.started = time.monotonic()
-        self.last = self.started
+    def __init__(self, every: float = 5.0):
+        self.every = every
+        self.text, self.since = "", time.monotonic()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
 
-    def tick(self) -> None:
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            self.last = now
-            say(f"{self.text} ({now - self.started:.0f} s)")
+    def now(self, text: str) -> None:
+        with self._lock:
+            if text == self.text:
+                return
+            self.text, self.since = text, time.monotonic()
+        say(text)
+
+    def _repeat(self) -> None:
+        while not self._done.wait(self.every):
+            with self._lock:
+                text, seconds = self.text, time.monotonic() - self.since
+            if text and seconds >= self.every:
+                say(f"{text} ({seconds:.0f} s)")
+
+    def __enter__(self) -> Phases:
+        threading.Thread(target=self._repeat, name="workbench start progress", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()

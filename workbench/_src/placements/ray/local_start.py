@@ -25,10 +25,11 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import time
 
 from workbench._src.core.errors import ConfigurationError
-from workbench._src.launch.start_progress import Ticker, say
+from workbench._src.launch.start_progress import Phases, say
 from workbench._src.placements.proc import pid_alive, pids_naming, process_cpu_seconds
 
 # How long the processes of a starting instance may all get no CPU time before its start is given
@@ -43,6 +44,8 @@ NODE_WAIT_LIMIT = 300.0
 GCS_PORT_WAIT_SECONDS = 300
 # How many times a start is tried (a try that stalled is ended, then tried again).
 LOCAL_START_ATTEMPTS = 2
+# The ports of the raylet's agents (RayParams fields), chosen before the start (_start_settings).
+_AGENT_PORTS = ("metrics_agent_port", "dashboard_agent_listen_port", "runtime_env_agent_port")
 LOOPBACK = "127.0.0.1"
 # What the instance's processes read at their start (Ray's own settings, RayConfig and env):
 _START_ENV = {
@@ -63,22 +66,20 @@ def start_local(ray, init: dict, root: str) -> None:
     failed = ""
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         again = f" again (try {attempt}: the last one failed, {failed})" if failed else ""
-        say(f"starting the Ray head (GCS and raylet) on this machine{again}")
         try:
-            with _start_settings(ray), _node_waited_for(ray, root):
+            with Phases() as phases, _start_settings(ray), _node_waited_for(ray, root, phases):
+                phases.now(f"starting the Ray head (GCS and raylet) on this machine{again}")
                 ray.init(**init, _node_ip_address=LOOPBACK)
         except Exception as error:
-            if not _timed_out_at_start(error):
-                end_failed_start(root)
-                raise
             end_failed_start(root)
+            if not _timed_out_at_start(error):
+                raise
             failed = str(error)
             if attempt == LOCAL_START_ATTEMPTS:
                 raise ConfigurationError(
                     f"The local Ray instance did not start: {LOCAL_START_ATTEMPTS} times its node did not "
-                    f"register ({error}). Fix: see "
-                    f"what holds the machine (`top`), or start Ray yourself (`ray start --head`) and use "
-                    "RayCluster(address='auto')."
+                    f"register ({error}). Fix: see what holds the machine (`top`), or start Ray yourself "
+                    "(`ray start --head`) and use RayCluster(address='auto')."
                 ) from None
             continue
         owner_only_token()  # (Ray made it, if it had to)
@@ -96,13 +97,26 @@ def _start_settings(ray):
     switch for a single-machine node on loopback (read from its constants when it picks the
     node's address)."""
     constants = ray._private.ray_constants
+    params = ray._private.parameter.RayParams
     saved_env = {name: os.environ.get(name) for name in _START_ENV}
-    saved_flag = constants.ENABLE_RAY_CLUSTER
+    saved_flag, select_ports = constants.ENABLE_RAY_CLUSTER, params.update_pre_selected_port
     os.environ.update(_START_ENV)
     constants.ENABLE_RAY_CLUSTER = False
+
+    def with_agent_ports(self):
+        # The raylet waits a short fixed time for its agents (Python processes, slow to import on
+        # a loaded machine) to write the ports they picked, then aborts: measured, a raylet
+        # gave up after 16 s. Ports chosen here are known to it from the start.
+        for name, port in zip(_AGENT_PORTS, _free_loopback_ports(len(_AGENT_PORTS))):
+            if not getattr(self, name, None):
+                setattr(self, name, port)
+        return select_ports(self)
+
+    params.update_pre_selected_port = with_agent_ports
     try:
         yield
     finally:
+        params.update_pre_selected_port = select_ports
         constants.ENABLE_RAY_CLUSTER = saved_flag
         for name, value in saved_env.items():
             if value is None:
@@ -111,21 +125,33 @@ def _start_settings(ray):
                 os.environ[name] = value
 
 
+def _free_loopback_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:  # (held open together: no port twice)
+            s.bind((LOOPBACK, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 @contextlib.contextmanager
-def _node_waited_for(ray, root: str):
-    """During the start, Ray's query for its new node waits while the raylet makes progress."""
+def _node_waited_for(ray, root: str, phases: Phases):
+    """During the start, Ray's query for its new node waits while the instance makes progress."""
     services = ray._private.services
     asked = services.get_node
-    ticker = Ticker("waiting for the Ray node (its raylet) to register")
 
     def get_node_when_registered(gcs_address, node_id):
         started = time.monotonic()
         progress = _StartProgress(root)
         while True:
             try:
-                return asked(gcs_address, node_id)
+                found = asked(gcs_address, node_id)
+                phases.now("connecting this process to the Ray node")
+                return found
             except RuntimeError:  # not registered yet (Ray's own signal for it)
-                ticker.tick()
+                phases.now("waiting for the Ray node (its raylet) to register")
                 problem = progress.problem()
                 if not problem and time.monotonic() - started > NODE_WAIT_LIMIT:
                     problem = f"it did not register within {NODE_WAIT_LIMIT:.0f} s"
