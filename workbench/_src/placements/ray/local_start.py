@@ -51,10 +51,10 @@ LOOPBACK = "127.0.0.1"
 _START_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # 127.0.0.1 stays the node's address
     "RAY_gcs_server_port_wait_time_s": str(GCS_PORT_WAIT_SECONDS),
-    # The raylet's own waits (C++: for its GCS registration, 10 s by default, and for the agents
-    # it starts, Python processes that import for long on a loaded machine): the start as a
-    # whole is bounded here, by progress and NODE_WAIT_LIMIT.
-    "RAY_raylet_start_wait_time_s": str(int(NODE_WAIT_LIMIT)),
+    # The raylet's wait for its agents to register (Python processes that import for long on a
+    # loaded machine): the start as a whole is bounded here, by progress and NODE_WAIT_LIMIT.
+    # (Not RAY_raylet_start_wait_time_s: it is how long each of Ray's node queries blocks, 10 s;
+    # the progress checks below run between them.)
     "RAY_agent_register_timeout_ms": str(int(NODE_WAIT_LIMIT * 1000)),
 }
 
