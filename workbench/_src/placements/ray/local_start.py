@@ -28,6 +28,7 @@ import signal
 import socket
 import time
 
+from workbench._src.compat import ray_start_internals
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.launch.start_progress import Phases, say
 from workbench._src.placements.proc import pid_alive, pids_naming, process_cpu_seconds
@@ -96,8 +97,7 @@ def _start_settings(ray):
     """Ray's own settings for this start (_START_ENV: the processes it starts inherit them), and its
     switch for a single-machine node on loopback (read from its constants when it picks the
     node's address)."""
-    constants = ray._private.ray_constants
-    params = ray._private.parameter.RayParams
+    _, params, constants = ray_start_internals(ray)
     saved_env = {name: os.environ.get(name) for name in _START_ENV}
     saved_flag, select_ports = constants.ENABLE_RAY_CLUSTER, params.update_pre_selected_port
     os.environ.update(_START_ENV)
@@ -139,7 +139,7 @@ def _free_loopback_ports(count: int) -> list[int]:
 @contextlib.contextmanager
 def _node_waited_for(ray, root: str, phases: Phases):
     """During the start, Ray's query for its new node waits while the instance makes progress."""
-    services = ray._private.services
+    services, _, _ = ray_start_internals(ray)
     asked = services.get_node
 
     def get_node_when_registered(gcs_address, node_id):
