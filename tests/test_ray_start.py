@@ -180,7 +180,8 @@ def test_the_cli_says_what_a_ray_start_waits_for_in_order(tmp_path):
     and the CLI prints them as "[workbench]" lines, in the order they happen, before step 1."""
     done = subprocess.run(
         ["workbench", "run", os.path.join(ROOT, "examples", "train.py"),
-         "--backend", "multi-worker", "--workers", "2", "--cluster", "ray=local", "--steps", "3"],
+         "--backend", "multi-worker", "--workers", "2", "--cluster", "ray=local", "--steps", "3",
+         "--startup-timeout", "600"],  # (what is asserted is the order of what it says)
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": ROOT, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)},
     )  # fmt: skip
