@@ -12,12 +12,14 @@ the same for every backend and every placement.
 
 from __future__ import annotations
 
+import contextlib
+
 from workbench._src.core.checkpoints import checkpoint_hint
 from workbench._src.core.errors import CapacityError, WorkerError
 from workbench._src.core.run_loop import drive, new_run
 from workbench._src.core.run_options import options_from
 from workbench._src.launch import pool as pools
-from workbench._src.launch import shipping
+from workbench._src.launch import shipping, start_progress
 from workbench._src.launch.elastic import Elastic
 from workbench._src.launch.heal import Healing, preempted_member_name
 from workbench._src.launch.placement import Task
@@ -123,7 +125,10 @@ class Launcher:
         the pool warm for the next; anything else retires it (launch/pool.py). `plan`: another
         worker count of this plan (an elastic run's)."""
         payload = shipping.dumps_for_workers(work)
-        pool, notes = pools.checkout(self.backend, plan or self.plan)
+        # What a placement's start does (a Ray instance's head and node, its actors k/N) is said
+        # in the run while it does it (launch/start_progress.py): the cell, the sidebar, the CLI.
+        with _start_said_in(run):
+            pool, notes = pools.checkout(self.backend, plan or self.plan)
         self.pool = pool
         for note in notes:
             if run is not None:
@@ -135,7 +140,8 @@ class Launcher:
             if not pool.fresh:
                 pool.send_work(payload, watch.number)
             elif not pool.started_in_background:  # (if it was, its processes' hellos are queued)
-                pool.start()
+                with _start_said_in(run):
+                    pool.start()
             pool.runs += 1
             self.last_processes = pool.processes
             if run is not None:
@@ -168,3 +174,11 @@ class Launcher:
         pools.shutdown(self.plan.shape())
         if self.pool is not None and self.pool.shape != self.plan.shape():
             pools.shutdown(self.pool.shape)
+
+
+def _start_said_in(run):
+    """A start's progress lines become the run's "message" events (without a run, they are kept
+    for the next run that listens)."""
+    if run is None:
+        return contextlib.nullcontext()
+    return start_progress.listening(lambda text: run.publish("message", text=text))
