@@ -149,3 +149,21 @@ def test_the_progress_lines_are_the_runs_snapshots():
     final = run.snapshot
     assert final["final"] and lines[-1].startswith("step 400/400") and lines[-1].endswith(describe(final))
     assert describe(final) == describe({**run.summary()})
+
+
+def test_the_readmes_commands_write_only_where_they_say():
+    """The README's `workbench run` / `scale` lines name a folder for every file they write
+    (history.csv, study.csv and scaling.png were left in the repository root), and `scale`
+    writes its figure only where asked: --out, else beside --csv."""
+    import argparse
+
+    from workbench._src.scripts.run_file import _figure_path
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    commands = re.findall(r"workbench (?:run|scale) [^\n`]*(?:\\\n[^\n`]*)*", readme)
+    written = [m for c in commands for m in re.findall(r"--(?:history|csv|out) (\S+)", c)]
+    assert written, commands
+    assert all("/" in path for path in written), f"written into the working directory: {written}"
+    figure = _figure_path(argparse.Namespace(out=None, csv="/tmp/x/study.csv"))
+    assert figure == "/tmp/x/study.png"
+    assert _figure_path(argparse.Namespace(out=None, csv=None)) is None
