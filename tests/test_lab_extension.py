@@ -268,12 +268,23 @@ def _start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
             f"--ServerApp.token={token}",
             f"--ServerApp.root_dir={root}",
             "--allow-root",
+            *_own_build(),
         ],
         cwd=root,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+
+
+def _own_build() -> list[str]:
+    """The extension this checkout built (`jlpm build:prod` in extensions/replicator-workbench),
+    put first on JupyterLab's extension path: the browser sees this checkout's TypeScript, not
+    the copy an earlier `pip install` left in the environment (JupyterLab takes an extension
+    from the first folder that has it). Without a build of its own, the installed one."""
+    if (EXTENSION / "labextension" / "package.json").is_file():
+        return [f"--LabApp.extra_labextensions_path={EXTENSION}"]
+    return []
 
 
 def _wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
@@ -477,11 +488,19 @@ def _finished_runs_agree_and_compare(page, sidebar, status, tmp_path: Path) -> N
 
     # TensorBoard on the run's event files: a `%replicate --tensorboard RUN` cell, run at once
     # (without the tensorboard package it says how to install it and where the files are).
+    count, empty = cells.count(), _empty_cells(cells)
     card.locator(".wb-tensorboard").click()
     cell = cells.filter(has_text=f"%replicate --tensorboard {second['run']}")
+    expect(cell).to_have_count(1)
+    expect(cells).to_have_count(count + 1)  # one cell, not an empty one above it too
+    assert _empty_cells(cells) == empty, "the TensorBoard action left an empty cell"
     expected = "pip install tensorboard" if importlib.util.find_spec("tensorboard") is None else "tensorboard"
     expect(cell.locator(".jp-OutputArea-output")).to_contain_text(expected)
     expect(cell.locator(".jp-OutputArea-output")).to_contain_text(f"{second['run']}/tb")
+
+
+def _empty_cells(cells) -> int:
+    return sum(not c.locator(".jp-InputArea-editor").inner_text().strip() for c in cells.all())
 
 
 @pytest.mark.slow
@@ -1032,6 +1051,7 @@ LIVE_VIEWS_JS = """(cell) => {
     header_step: num(header && header.textContent, /step ([\\d,]+)\\//),
     bar_step: num(bar && bar.textContent, /(\\d+)\\/\\d+\\s*\\[/),  // (tqdm spaces: non-breaking)
     plot_step: num(figure && figure.textContent, /steps 1-([\\d,]+)/),
+    plot_seq: (() => { const f = figure && figure.querySelector('[data-figure-snapshot]'); return f ? Number(f.dataset.figureSnapshot) : null; })(),
     card_seq: card ? Number(card.dataset.snapshot) : null,
     card_step: num(card && card.querySelector('.wb-run-step').textContent, /step ([\\d,]+)/),
     card_rate: card ? card.querySelector('.wb-run-rate').textContent : null,
@@ -1040,6 +1060,47 @@ LIVE_VIEWS_JS = """(cell) => {
     kernel: document.querySelector('.jp-StatusBar-Widget').textContent,
   };
 }"""
+
+
+# What a run's cell and its sidebar card say before step 1 (what the run is doing now).
+START_JS = """(cell) => {
+  const c = document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell')[cell];
+  const out = c && c.querySelector('.jp-OutputArea');
+  const header = out && out.querySelector('.widget-vbox .widget-html');
+  const card = document.querySelector('.wb-sidebar .wb-run[data-status=running], .wb-sidebar .wb-run[data-status=created]');
+  const doing = card && card.querySelector('.wb-run-doing');
+  return {
+    header: header ? header.innerText.trim() : '',
+    card_doing: doing && !doing.hidden ? doing.textContent : null,
+    card_step: card ? card.querySelector('.wb-run-step').textContent : null,
+  };
+}"""
+
+
+def _watch_the_start(page, cell: int, clicked: float) -> list[dict]:
+    """The cell's header and the sidebar card from the cell's start to its first step, every
+    0.2 s: each sample with `t`, the seconds since `clicked` (monotonic)."""
+    seen, deadline = [], time.monotonic() + 240
+    while time.monotonic() < deadline:
+        sample = page.evaluate(START_JS, cell)
+        sample["t"] = round(time.monotonic() - clicked, 2)
+        seen.append(sample)
+        if re.search(r"step [1-9][\d,]*/", sample["header"]):
+            return seen
+        page.wait_for_timeout(200)
+    raise AssertionError(f"no step within 240 s: {seen[-3:]}")
+
+
+def _said_before_step_one(seen: list[dict], name: str) -> list[str]:
+    """Something on screen within 2 s of the cell's start; before step 1 the header and the card
+    say what the run is doing; the step count replaces the card's line."""
+    shown = [s["t"] for s in seen if s["header"]]
+    assert shown and shown[0] <= 2.0, f"{name}: nothing in the cell within 2 s of its start: {seen[:12]}"
+    header_texts = list(dict.fromkeys(s["header"].splitlines()[-1] for s in seen if s["header"]))
+    card_texts = list(dict.fromkeys(s["card_doing"] for s in seen if s["card_doing"]))
+    assert any(re.search(r"starting|compiling|importing|ready", t) for t in header_texts), (name, header_texts)
+    assert card_texts, f"{name}: the sidebar card never said what the run was doing: {seen[-5:]}"
+    return [f"{name}: first text {shown[0]} s after the start; header said {header_texts}; card said {card_texts}"]
 
 
 def _sample_live_views(page, cell: int, count: int) -> list[dict]:
@@ -1077,12 +1138,11 @@ def _views_agree(samples: list[dict], steps: dict[int, int], name: str) -> list[
     a neighbour of it; the figure never ahead of the header. Returns lines for the report."""
     lines = []
     for s in samples:
-        # The card and the status bar render the same messages. The header is set by
-        # the dashboard's renderer thread, which also draws the figure: on a loaded machine one
-        # drawing can span two snapshots (seen at 850 steps/s with four test runs on 2 cores);
-        # a thread of its own for the figure would close that (not done yet).
+        # The card and the status bar render the same messages; the header is set by a thread
+        # of the dashboard that does nothing else (the figure has its own): each shows the
+        # latest snapshot it was handed, so at one instant they are at most one apart.
         assert abs(s["card_seq"] - s["status_seq"]) <= 1, (name, s)
-        assert abs(s["header_seq"] - s["card_seq"]) <= 2, (name, s)
+        assert abs(s["header_seq"] - s["card_seq"]) <= 1, (name, s)
         assert s["header_step"] == steps[s["header_seq"]] and s["card_step"] == steps[s["card_seq"]], (
             name,
             s,
@@ -1092,10 +1152,14 @@ def _views_agree(samples: list[dict], steps: dict[int, int], name: str) -> list[
         rate = "compiling" if s["card_rate"].startswith("\u2013") else s["card_rate"]  # (no rate yet)
         assert s["status_text"].endswith(rate) or s["status_seq"] != s["card_seq"], (name, s)
         if s["plot_step"] is not None:
-            assert s["plot_step"] <= s["header_step"], (name, s)
+            # The figure: the snapshot it says, never ahead of the header, at most one refresh
+            # (one snapshot) behind it (it draws the latest snapshot, blitted, on its own thread).
+            assert s["plot_step"] == steps[s["plot_seq"]] and s["plot_step"] <= s["header_step"], (name, s)
+            assert s["plot_seq"] >= s["header_seq"] - 1, (name, s)
         lines.append(
-            f"{name}: snapshots header {s['header_seq']} card {s['card_seq']} status {s['status_seq']}; "
-            f"steps header {s['header_step']} bar {s['bar_step']} card {s['card_step']} figure {s['plot_step']}"
+            f"{name}: snapshots header {s['header_seq']} card {s['card_seq']} status {s['status_seq']} "
+            f"figure {s['plot_seq']}; steps header {s['header_step']} bar {s['bar_step']} card "
+            f"{s['card_step']} figure {s['plot_step']}"
         )
     return lines
 
@@ -1157,8 +1221,11 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     _run_cell(page, 0)
                     expect(sidebar).to_have_attribute("data-state", "ready")
 
-                    # A foreground run: the views agree at every instant; the kernel says Busy.
+                    # A foreground run: something within 2 s and what it is doing until step 1; the
+                    # views agree at every instant; the kernel says Busy.
+                    clicked = time.monotonic()
                     _run_cell(page, 1)
+                    report += _said_before_step_one(_watch_the_start(page, 1, clicked), "foreground")
                     samples = _sample_live_views(page, 1, 6)
                     page.screenshot(path=str(SCREENSHOTS / "live-foreground.png"))
                     idle = [s["kernel"] for s in samples if "| Busy" not in s["kernel"]]
@@ -1185,8 +1252,12 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                         f"Replicator: mirrored \u00b7 2 replicas \u00b7 last run: {rate} steps/s"
                     )
 
-                    # An async-ps run in the background (the kernel is free meanwhile).
+                    # An async-ps run in the background (the kernel is free meanwhile): what it is
+                    # doing (its servers starting, compiling) until step 1, then the views agree.
+                    clicked = time.monotonic()
                     _run_cell(page, 3)
+                    start = _watch_the_start(page, 3, clicked)
+                    report += _said_before_step_one(start, "async-ps")
                     expect(sidebar.locator(".wb-run[data-status=running]")).to_have_count(1, timeout=180_000)
                     samples = _sample_live_views(page, 3, 6)
                     running = sidebar.locator(".wb-run[data-status=running]")
@@ -1231,6 +1302,23 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                         "the compare table is wider than its view"
                     )
                     expect(table.locator("th")).to_contain_text(["median compiled step examples/s", "loss"])
+
+                    # A theme switch: the finished run's figure already in its cell turns dark too.
+                    page.locator(".lm-TabBar-tab", has_text="live.ipynb").click()
+                    figure = page.locator(".jp-Cell").nth(1).locator(".jp-RenderedImage img").first
+                    figure.scroll_into_view_if_needed()
+                    light = _image_brightness(figure.screenshot())
+                    page.locator(".lm-MenuBar-itemLabel", has_text="Settings").click()
+                    page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
+                    page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
+                    expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
+                    deadline, dark = time.monotonic() + 60, light
+                    while dark > 80 and time.monotonic() < deadline:
+                        page.wait_for_timeout(500)
+                        dark = _image_brightness(figure.screenshot())
+                    page.screenshot(path=str(SCREENSHOTS / "live-theme-switched.png"))
+                    report.append(f"finished figure's mean grey: {light:.0f} light, {dark:.0f} after the switch")
+                    assert light > 150 and dark < 80, (light, dark)
             finally:
                 browser.close()
     finally:

@@ -162,6 +162,10 @@ class Dashboard(DashboardView):
             self._start_thread()
         elif event.kind in ("message", "checkpoint"):
             self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
+            # A launched run says what it does (starting its processes) before it has started:
+            # the header shows it at once.
+            self._start_thread()
+            self._wake.set()
         elif event.kind == "restart":  # a heal: marked on the step axis; its rows come again
             self.history.truncate(event.data["run_step"])
             self.snapshot = event.data.get("snapshot") or self.snapshot
@@ -295,6 +299,12 @@ class Dashboard(DashboardView):
         once: the numbers beside each other are one snapshot's); at the end, the final figure."""
         if self.status == "closed":
             self._bar.close() if self._bar is not None else None
+            return
+        if not self.started and not final:  # a launched run's processes starting: what it says
+            if self.frontend == "widgets":
+                self._header.value = (
+                    f"<div data-snapshot='0'>{_status_html('starting the run', self.message, None)}</div>"
+                )
             return
         snapshot = self.snapshot
         columns, fig = shown(self.history.snapshot(), snapshot, self.status, final, self.target)
