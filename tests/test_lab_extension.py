@@ -1098,9 +1098,14 @@ def _said_before_step_one(seen: list[dict], name: str) -> list[str]:
     assert shown and shown[0] <= 2.0, f"{name}: nothing in the cell within 2 s of its start: {seen[:12]}"
     header_texts = list(dict.fromkeys(s["header"].splitlines()[-1] for s in seen if s["header"]))
     card_texts = list(dict.fromkeys(s["card_doing"] for s in seen if s["card_doing"]))
-    assert any(re.search(r"starting|compiling|importing|ready", t) for t in header_texts), (name, header_texts)
+    assert any(re.search(r"starting|compiling|importing|ready", t) for t in header_texts), (
+        name,
+        header_texts,
+    )
     assert card_texts, f"{name}: the sidebar card never said what the run was doing: {seen[-5:]}"
-    return [f"{name}: first text {shown[0]} s after the start; header said {header_texts}; card said {card_texts}"]
+    return [
+        f"{name}: first text {shown[0]} s after the start; header said {header_texts}; card said {card_texts}"
+    ]
 
 
 def _sample_live_views(page, cell: int, count: int) -> list[dict]:
@@ -1317,7 +1322,9 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                         page.wait_for_timeout(500)
                         dark = _image_brightness(figure.screenshot())
                     page.screenshot(path=str(SCREENSHOTS / "live-theme-switched.png"))
-                    report.append(f"finished figure's mean grey: {light:.0f} light, {dark:.0f} after the switch")
+                    report.append(
+                        f"finished figure's mean grey: {light:.0f} light, {dark:.0f} after the switch"
+                    )
                     assert light > 150 and dark < 80, (light, dark)
             finally:
                 browser.close()

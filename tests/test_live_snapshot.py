@@ -82,7 +82,9 @@ def test_doing_now_says_what_a_run_does_before_step_one_then_gives_way_to_the_st
     assert live.doing_now(starting, {"steps": 0}, "running") == starting
     ready = "multi-worker processes ready in 4.2 s (import 2.0 s, cluster 1.1 s)"
     assert live.doing_now(ready, {"steps": 0}, "running") == f"{ready}; {live.COMPILING}"
-    assert live.doing_now("worker 1 lost", {"steps": 40}, "running") == "worker 1 lost"  # (said under the numbers)
+    assert (
+        live.doing_now("worker 1 lost", {"steps": 40}, "running") == "worker 1 lost"
+    )  # (said under the numbers)
     assert live.doing_now(None, {"steps": 40}, "running") is None
 
 
