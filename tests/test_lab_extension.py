@@ -268,7 +268,7 @@ def _start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
             f"--ServerApp.token={token}",
             f"--ServerApp.root_dir={root}",
             "--allow-root",
-            *_own_build(),
+            *_own_build(root),
         ],
         cwd=root,
         env=env,
@@ -277,14 +277,19 @@ def _start_lab(root: Path, port: int, token: str) -> subprocess.Popen:
     )
 
 
-def _own_build() -> list[str]:
+def _own_build(root: Path) -> list[str]:
     """The extension this checkout built (`jlpm build:prod` in extensions/replicator-workbench),
     put first on JupyterLab's extension path: the browser sees this checkout's TypeScript, not
     the copy an earlier `pip install` left in the environment (JupyterLab takes an extension
-    from the first folder that has it). Without a build of its own, the installed one."""
-    if (EXTENSION / "labextension" / "package.json").is_file():
-        return [f"--LabApp.extra_labextensions_path={EXTENSION}"]
-    return []
+    from the first folder that has it, and serves its files from <folder>/<its name>/). Without
+    a build of its own, the installed one."""
+    built = EXTENSION / "labextension"
+    if not (built / "package.json").is_file():
+        return []
+    folder = root / "labextensions"
+    folder.mkdir()
+    (folder / "replicator-workbench").symlink_to(built, target_is_directory=True)
+    return [f"--LabApp.extra_labextensions_path={folder}"]
 
 
 def _wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
@@ -1110,11 +1115,13 @@ def _said_before_step_one(seen: list[dict], name: str) -> list[str]:
 
 def _sample_live_views(page, cell: int, count: int) -> list[dict]:
     """`count` instants of the live views (each read in one evaluate: one instant), 0.7 s apart,
-    from the first one where the header and the sidebar show a snapshot."""
+    from the first one where the header, the sidebar and the figure show a snapshot, the figure
+    past its first steps (its first drawings build it: fonts, axes, a panel per metric)."""
     samples, deadline = [], time.monotonic() + 300
     while len(samples) < count and time.monotonic() < deadline:
         seen = page.evaluate(LIVE_VIEWS_JS, cell)
-        if seen["header_seq"] and seen["card_seq"] and seen["bar_step"] is not None:
+        drawn = (seen["plot_step"] or 0) >= 200 or samples
+        if seen["header_seq"] and seen["card_seq"] and seen["bar_step"] is not None and drawn:
             samples.append(seen)
         page.wait_for_timeout(700)
     assert len(samples) == count, f"the views never all showed a snapshot: {samples[-1:] or seen}"

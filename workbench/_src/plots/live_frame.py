@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-X_GRID = 8  # the step axis ends at the first of 10^(k/8) (steps of ~33%) past the last step
+X_GRID = 4  # the step axis ends at the first of 10^(k/4) (steps of ~78%) past the last step
 Y_CELLS = 2  # a linear axis snaps to a grid of 1/2 of its span's decade; a log axis to 1/4 decade
 
 

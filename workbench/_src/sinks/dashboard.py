@@ -351,7 +351,7 @@ class Dashboard(DashboardView):
         # The figure says which snapshot it shows and how far it goes (the header's may be newer).
         self._plotted_seq = (snapshot or {}).get("seq")
         self._figure_step.value = (
-            f"<span data-snapshot='{self._plotted_seq or 0}'>figure: steps 1-{len(columns['step']):,}</span>"
+            f"<span data-figure-snapshot='{self._plotted_seq or 0}'>figure: steps 1-{len(columns['step']):,}</span>"
         )
         self._controls.layout.display = ""
         cost = time.thread_time() - t0
