@@ -88,7 +88,7 @@ class Dashboard(DashboardView):
         display: bool = True,
         frontend: Frontend = "auto",
         max_rate_hz: float = 2.0,
-        render_budget: float = 0.06,
+        render_budget: float = 0.1,
         progress: bool = True,
     ):
         self.frontend = detect_frontend() if frontend == "auto" else frontend
