@@ -34,6 +34,7 @@ from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.placements.local.processes import TMP_PREFIX
 from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_start_ticks
 from workbench._src.placements.ray.cluster import PLACEMENTS
+from workbench._src.placements.ray.local_start import actors_ready  # (says actors k/N)
 
 MEMBER_MODULE = "workbench._src.placements.ray.member"  # named, as worker_main is: it runs over there
 # How long one long poll waits for a member's messages: it bounds how late the launcher sees a
@@ -216,7 +217,7 @@ class RayPlacement:
                     ).remote(role, index, orphan_timeout=max(ORPHAN_SECONDS, 3 * plan.heartbeat_timeout))
                 )
             try:
-                wheres = ray.get([a.where.remote() for a in actors], timeout=plan.startup_timeout)
+                wheres = actors_ready(ray, [a.where.remote() for a in actors], plan.startup_timeout)
             except ray.exceptions.GetTimeoutError:
                 raise WorkerError(
                     f"the {backend} pool's {len(actors)} Ray actors did not start within "
