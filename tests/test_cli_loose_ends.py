@@ -112,3 +112,58 @@ def test_a_long_command_first_says_what_it_is_doing(argv, said, tmp_path):
             process.wait()
     assert first.startswith("[workbench] ") and said in first, first
     assert cpu < 2.0, cpu
+
+
+def test_the_progress_lines_are_the_runs_snapshots():
+    """`workbench run`'s progress lines show the run's snapshot (core/live.py), the one the cell,
+    the sidebar and the status bar show; the last line is the final snapshot (run.summary())."""
+    import workbench as wb
+    from workbench._src.core.run_stats import describe
+
+    printer = ProgressPrinter(400)
+    out = io.StringIO()
+    snapshots = []
+
+    def keep(event):
+        if "snapshot" in event.data:
+            snapshots.append(event.data["snapshot"])
+
+    import tensorflow as tf
+
+    def input_fn(ctx):
+        return tf.data.Dataset.from_tensors(tf.ones([8, 2])).repeat()
+
+    def step_fn(x):
+        import time as _time
+
+        return {"loss": tf.reduce_mean(x) + tf.py_function(lambda: _time.sleep(0.004) or 0.0, [], tf.float32)}
+
+    with contextlib.redirect_stdout(out):
+        run = wb.replicator("single").train(step_fn, input_fn, steps=400, sinks=[keep, printer])
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    by_steps = {s["steps"]: s for s in snapshots}
+    assert len(lines) >= 2, out.getvalue()
+    for line in lines:
+        steps = int(re.match(r"step (\d+)/400", line).group(1))
+        assert steps in by_steps and line.endswith(describe(by_steps[steps])), (line, by_steps.get(steps))
+    final = run.snapshot
+    assert final["final"] and lines[-1].startswith("step 400/400") and lines[-1].endswith(describe(final))
+    assert describe(final) == describe({**run.summary()})
+
+
+def test_the_readmes_commands_write_only_where_they_say():
+    """The README's `workbench run` / `scale` lines name a folder for every file they write
+    (history.csv, study.csv and scaling.png were left in the repository root), and `scale`
+    writes its figure only where asked: --out, else beside --csv."""
+    import argparse
+
+    from workbench._src.scripts.run_file import _figure_path
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    commands = re.findall(r"workbench (?:run|scale) [^\n`]*(?:\\\n[^\n`]*)*", readme)
+    written = [m for c in commands for m in re.findall(r"--(?:history|csv|out) (\S+)", c)]
+    assert written, commands
+    assert all("/" in path for path in written), f"written into the working directory: {written}"
+    figure = _figure_path(argparse.Namespace(out=None, csv="/tmp/x/study.csv"))
+    assert figure == "/tmp/x/study.png"
+    assert _figure_path(argparse.Namespace(out=None, csv=None)) is None

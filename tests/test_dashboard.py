@@ -70,7 +70,7 @@ def test_rate_is_bounded_and_rendering_is_off_the_sending_thread():
     assert 1 <= dash.renders <= seconds * 2 + 1, (dash.renders, seconds)
     gaps = [b - a for a, b in zip(dash.render_times, dash.render_times[1:])]
     assert all(g >= 0.45 for g in gaps), gaps
-    assert dash.render_threads == {"workbench dashboard"}
+    assert dash.render_threads == {"workbench figure"}
     assert threading.current_thread().name not in dash.render_threads
     metrics_costs = sorted(costs)[: len(costs) - 2]  # started/ended do their work synchronously
     assert sorted(metrics_costs)[len(metrics_costs) // 2] < 0.001  # send only records
@@ -136,7 +136,7 @@ def test_a_real_background_run_with_the_stop_button():
     run.wait(30)
     assert run.status == "stopped" and dash.status == "stopped"
     assert "<td data-key='status'>stopped</td>" in run._repr_html_()
-    assert dash.renders >= 2 and dash.render_threads == {"workbench dashboard"}
+    assert dash.renders >= 2 and dash.render_threads == {"workbench figure"}
     assert recorder.threads == {f"workbench {run.name}"}  # events come from the training thread
     history = run.history
     seen = dash.history.snapshot()

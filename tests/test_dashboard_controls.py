@@ -166,7 +166,7 @@ def test_a_change_during_the_run_is_drawn_by_the_renderer_thread_at_once():
         time.sleep(0.02)
     assert dash.renders == drawn + 1, "the change was not drawn at once"
     assert loss_panel()[0].get_yscale() == "linear"
-    assert dash.render_threads == {"workbench dashboard"}  # drawn by the renderer, not raced
+    assert dash.render_threads == {"workbench figure"}  # drawn by the figure thread, not raced
     assert threading.current_thread().name not in dash.render_threads
     end(dash, run_id)
     assert loss_panel()[0].get_yscale() == "linear"  # the final figure keeps the choice

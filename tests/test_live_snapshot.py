@@ -74,3 +74,67 @@ def test_a_rewound_run_has_a_snapshot_of_what_is_left_at_once():
     snap = run.snapshot
     assert snap["seq"] == before + 1 and snap["steps"] == 1200
     assert {k: snap[k] for k in figures({})} == figures(run.history, running=True, target_steps=3000)
+
+
+def test_doing_now_says_what_a_run_does_before_step_one_then_gives_way_to_the_steps():
+    assert live.doing_now(None, None, "running") == live.COMPILING
+    starting = "starting 2 multi-worker processes (each imports TensorFlow, then they form the cluster)"
+    assert live.doing_now(starting, {"steps": 0}, "running") == starting
+    ready = "multi-worker processes ready in 4.2 s (import 2.0 s, cluster 1.1 s)"
+    assert live.doing_now(ready, {"steps": 0}, "running") == f"{ready}; {live.COMPILING}"
+    assert (
+        live.doing_now("worker 1 lost", {"steps": 40}, "running") == "worker 1 lost"
+    )  # (said under the numbers)
+    assert live.doing_now(None, {"steps": 40}, "running") is None
+
+
+@pytest.mark.slow
+def test_the_cell_and_the_sidebar_say_what_a_process_run_does_before_step_one():
+    """A multi-worker run (two worker processes) with the live dashboard and the sidebar's
+    watcher: before step 1 both say what it is doing (starting the processes, then compiling),
+    the same line; the steps replace it. Both read the run's events, as in a kernel."""
+    import time
+
+    import workbench as wb
+    from workbench._src.notebook.labcomm import _RunWatcher
+    from workbench._src.sinks import register_default, unregister_default
+    from workbench._src.sinks.dashboard import Dashboard
+
+    def input_fn(ctx):
+        import tensorflow as tf
+
+        return tf.data.Dataset.from_tensors(tf.ones([4, 2])).repeat()
+
+    def step_fn(x):
+        import tensorflow as tf
+
+        return {"loss": tf.reduce_mean(x)}
+
+    dash = Dashboard(frontend="widgets", display=False, render_budget=1.0)
+    repl = wb.replicator("multi-worker", num_workers=2, pool=False)
+    seen: list[tuple[str, str | None]] = []
+    watchers: list[_RunWatcher] = []
+
+    def watcher(run):  # the sidebar's own factory, as %load_ext registers it (labcomm._watch)
+        watchers.append(_RunWatcher(run))
+        return watchers[-1]
+
+    register_default(watcher)
+    try:
+        run = repl.train(step_fn, input_fn, steps=200, background=True, sinks=[dash], name="doing")
+    finally:
+        unregister_default(watcher)
+    try:
+        deadline = time.monotonic() + 180
+        while run.steps == 0 and time.monotonic() < deadline and not run.ended:
+            seen.append((dash._header.value, watchers[0].info()["doing"]))
+            time.sleep(0.05)
+        run.wait(180)
+    finally:
+        run.stop()
+    headers = " | ".join(dict.fromkeys(h for h, _ in seen))
+    cards = list(dict.fromkeys(c for _, c in seen if c))
+    assert "starting 2 multi-worker processes" in headers, headers
+    assert any("starting 2 multi-worker processes" in c for c in cards), cards
+    assert any(live.COMPILING in c for c in cards) or live.COMPILING in headers, (headers, cards)
+    assert watchers[0].info()["doing"] is None and run.status == "finished"

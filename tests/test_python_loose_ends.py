@@ -121,3 +121,29 @@ def test_one_median_in_the_study_table_the_sidebar_the_run_store_and_the_figure(
                 run.summary()["median_examples_per_sec"],
             ):
                 assert shown == pytest.approx(exact, rel=5e-4)  # (4 significant digits shown)
+
+
+@pytest.mark.slow
+def test_the_panel_says_a_pools_state_when_it_changes_as_the_sidebar_is_told():
+    """The panel said a pool was idle while the sidebar said busy: it read the pools only when
+    it ran something. Now the pools' observer refreshes it, from the same pool.describe()."""
+    from helpers import regression_setup, wait_for
+
+    import workbench as wb
+    from workbench._src.launch import pool as pools
+    from workbench._src.notebook.panel import Panel
+
+    panel = Panel(namespace={})
+    try:
+        run = wb.MultiWorkerReplicator(num_workers=1).train(
+            setup=regression_setup, steps=3000, background=True
+        )
+        wait_for(lambda: ", busy (run" in panel.pool_text, 180, "the panel to say the pool is busy")
+        assert [p.describe()["state"] for p in pools.live_pools()] == ["busy"]
+        run.wait(240)  # (busy from its checkout, the processes' start included, to its end)
+        wait_for(lambda: "idle since" in panel.pool_text, 60, "the panel to say the pool is idle")
+        assert [p.describe()["state"] for p in pools.live_pools()] == ["idle"]
+    finally:
+        pools.shutdown(reason="the test ended")
+        panel.close()
+    assert panel.pool_text == ""

@@ -30,7 +30,7 @@ examples/train.py (in the repository) is such a file: an MLP on scikit-learn's d
 SCALE_EXAMPLES = """examples:
   workbench scale examples/train.py --replicas 1,2,4,8 --mode weak --batch-size 32
   workbench scale examples/train.py --backend multi-worker --replicas 1,2 --mode strong --batch-size 256
-  workbench scale examples/train.py --replicas 1,2,4 --out study.png --csv study.csv
+  workbench scale examples/train.py --replicas 1,2,4 --csv /tmp/workbench-results/study.csv
 
 FILE.py is run once per configuration inside that configuration's replicator context (on
 multi-worker, in its worker processes), after seeding: it builds its model and optimizer and
@@ -154,8 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         options.WARMUP.but(default=10),
         options.BATCH_SIZE.but(default=32, help="per replica (weak) or global (strong)"),
     )
-    scale.add_argument("--out", default="scaling.png", metavar="PNG", help="where to write the figure")
-    scale.add_argument("--csv", help="also write the table to this CSV file")
+    scale.add_argument(
+        "--out",
+        metavar="PNG",
+        help="where to write the figure (default: beside --csv, as .png; without either, none)",
+    )
+    scale.add_argument("--csv", help="also write the table to this CSV file (its folder is created)")
     scale.add_argument(
         "--repeats",
         type=int,

@@ -309,9 +309,17 @@ function activate(
     if (!panel) {
       return;
     }
-    NotebookActions.insertBelow(panel.content);
-    panel.content.activeCell?.model.sharedModel.setSource(`%replicate --tensorboard ${runId}`);
-    await NotebookActions.run(panel.content, panel.sessionContext);
+    // One cell made with its source (insertBelow, then setSource on the active cell, left an
+    // empty cell above the one that ran: the active cell had not moved to the new one yet).
+    const notebook = panel.content;
+    const index = Math.max(0, notebook.activeCellIndex) + 1;
+    notebook.model?.sharedModel.insertCell(index, {
+      cell_type: 'code',
+      source: `%replicate --tensorboard ${runId}`
+    });
+    notebook.activeCellIndex = index;
+    notebook.deselectAll();
+    await NotebookActions.run(notebook, panel.sessionContext);
   }
 
   function download(filename: string, mime: string, base64: string): void {

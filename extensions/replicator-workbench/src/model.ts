@@ -59,6 +59,8 @@ export interface IRunInfo {
   warmup?: boolean;
   /** The last heal of a run with max_restarts, in one line ("worker 1 lost (...) at step 312: ..."). */
   heal?: string | null;
+  /** Before step 1, what the run is doing now ("starting 3 processes ...", "compiling step_fn ..."); null after. */
+  doing?: string | null;
   started: number | null;
   ended: number | null;
 }

@@ -440,6 +440,9 @@ export class ReplicatorSidebar extends Widget {
     const eta = el('span', 'wb-run-eta');
     stats.append(step, loss, rate, throughput, eta);
     row.append(stats);
+    // Before step 1: what the run is doing (as the cell's header says); the step count replaces it.
+    const doing = el('div', 'wb-run-doing');
+    row.append(doing);
     const bar = el('div', 'wb-progress');
     const fill = el('div', 'wb-progress-fill');
     bar.append(fill);
@@ -457,6 +460,8 @@ export class ReplicatorSidebar extends Widget {
       throughput.textContent = `${formatNumber(r.examples_per_sec)} examples/s`;
       eta.textContent = describeEta(r);
       eta.hidden = !eta.textContent;
+      doing.textContent = r.doing ?? '';
+      doing.hidden = !r.doing;
       const fraction = progressFraction(r);
       bar.hidden = fraction === null;
       fill.style.width = `${(100 * (fraction ?? 0)).toFixed(1)}%`;

@@ -199,3 +199,31 @@ def plot_spacing(redraw_costs: list[float], period: float, budget: float) -> flo
     if not recent:
         return period
     return max(period, recent[len(recent) // 2] / budget)
+
+
+# What a run that has started but has no step yet is doing, when it has said nothing else: the
+# first call of step_fn traces and compiles it (seconds, a minute for a large model).
+COMPILING = "compiling step_fn (its first call traces it) and running the first steps"
+
+
+def doing_now(message: str | None, snapshot: dict | None, status: str) -> str | None:
+    """The line every live view shows under a run's numbers (the cell's header, the sidebar's
+    card): before step 1, what the run is doing now (its last "message" event: starting N
+    processes, starting Ray, placing actors, the processes ready; else compiling step_fn); from
+    step 1 on, the last thing it said (a lost worker, a checkpoint), if anything."""
+    if status != "running" or (snapshot or {}).get("steps"):
+        return message
+    if not message:
+        return COMPILING
+    if " ready in " in message:  # the processes (or the warm pool) are up: step_fn is traced next
+        return f"{message}; {COMPILING}"
+    return message
+
+
+def before_the_run() -> str:
+    """The dashboard's first line, shown before the run exists (the replicator being built)."""
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        return "starting the run: importing TensorFlow and building the replicator"
+    return "starting the run: building the replicator"

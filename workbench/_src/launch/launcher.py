@@ -140,6 +140,8 @@ class Launcher:
             if not pool.fresh:
                 pool.send_work(payload, watch.number)
             elif not pool.started_in_background:  # (if it was, its processes' hellos are queued)
+                if run is not None:  # (the cell and the sidebar say it until the processes are up)
+                    run.publish("message", text=_starting_text(self.backend, pool))
                 with _start_said_in(run):
                     pool.start()
             pool.runs += 1
@@ -174,6 +176,13 @@ class Launcher:
         pools.shutdown(self.plan.shape())
         if self.pool is not None and self.pool.shape != self.plan.shape():
             pools.shutdown(self.pool.shape)
+
+
+def _starting_text(backend: str, pool) -> str:
+    """'starting 3 multi-worker processes (each imports TensorFlow and joins the cluster)'."""
+    count = len(pool.tasks)
+    on = " on Ray" if type(pool.placement).__name__.startswith("Ray") else ""
+    return f"starting {count} {backend} process{'es' if count != 1 else ''}{on} (each imports TensorFlow, then they form the cluster)"
 
 
 def _start_said_in(run):

@@ -57,6 +57,7 @@ import base64
 import threading
 from collections import OrderedDict
 
+from workbench._src.core.live import doing_now
 from workbench._src.core.run_stats import figures, heal_line, shown_reason
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.launch import pool as warm_pools  # (no TensorFlow: the registry and its processes)
@@ -186,7 +187,13 @@ def _on_msg(comm, msg) -> None:
         warm_pools.shutdown(reason="Shut down in the sidebar")  # (its change pushes to every sidebar)
         comm.send(snapshot())
     elif kind == "theme":  # the page's theme: figures drawn from now on follow it
-        theme.set_dark(bool(data.get("dark")))
+        dark = bool(data.get("dark"))
+        changed = theme.is_dark() != dark
+        theme.set_dark(dark)
+        if changed:  # and the finished runs' figures already in cells are drawn again in it
+            from workbench._src.sinks.dashboard_view import retheme_finished
+
+            retheme_finished()
     elif kind in ("refresh", "hello"):
         comm.send(snapshot())
     else:
@@ -304,6 +311,7 @@ class _RunWatcher:
         self.snapshot: dict = figures({}, running=True)  # until the run's first (no step yet)
         self.started: float | None = None
         self.ended: float | None = None
+        self.message: str | None = None  # the run's last "message" event (core/live.doing_now)
 
     @property
     def step(self) -> int:
@@ -345,6 +353,10 @@ class _RunWatcher:
                 self._send_now()
         elif event.kind == "breakdown":
             self.breakdown = event.data.get("text") or None  # the card's line under the figures
+        elif event.kind == "message":  # before step 1, what the run is doing: shown at once
+            self.message = event.data.get("text") or None
+            if not self.snapshot.get("steps"):
+                self._send_now()
 
     def _send_now(self) -> None:
         _push()
@@ -373,6 +385,8 @@ class _RunWatcher:
             "median_examples_per_sec": fig["median_examples_per_sec"],
             "eta_seconds": fig["eta_seconds"],
             "snapshot_seq": fig.get("seq"),  # which of the run's snapshots (its dashboard shows it too)
+            # What it is doing now before step 1 (starting processes, compiling), as the cell says.
+            "doing": doing_now(self.message, fig, self.status) if not fig["steps"] else None,
             "group": self.group,
             "warmup": self.warmup,
             # The last heal in one line (launch/heal.py): "worker 1 lost (...) at step 312: ...".

@@ -10,7 +10,6 @@ follows choices made by the magic. Its state is plain traitlets (`backend`, `rep
 from __future__ import annotations
 
 import html
-import time
 
 import ipywidgets as w
 import traitlets
@@ -19,6 +18,7 @@ from workbench._src.core import registry
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.tf_setup import device_summary
 from workbench._src.notebook import session
+from workbench._src.notebook.panel_pools import follow_pools, pool_line
 from workbench._src.notebook.session import equivalent_magic  # (re-exported: tests import it here)
 from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.sinks.dashboard import Dashboard
@@ -60,6 +60,7 @@ class Panel(w.VBox):
         self._sync_widgets()
         self.refresh_pool()
         self._unobserve_session = session.observe(self._follow)
+        follow_pools(self)
 
     # ----- traitlet rules -------------------------------------------------------------------
     @traitlets.validate("backend")
@@ -135,23 +136,12 @@ class Panel(w.VBox):
     # ----- warm worker pools ----------------------------------------------------------------
     def refresh_pool(self) -> None:
         """Shows this kernel's warm worker pools (launch/pool.py): backend, workers, state, and
-        since when idle (a clock time: it stays true between refreshes); Shut down ends them."""
+        since when idle (a clock time: it stays true between refreshes); Shut down ends them.
+        Called whenever a pool changes state (the pools' observer, as the sidebar is told), so
+        the panel and the sidebar read the same pool.describe() at the same moments."""
         from workbench._src.launch import pool as pools
 
-        lines = []
-        for pool in pools.live_pools():
-            d = pool.describe()
-            text = (
-                f"{d['backend']} pool: {d['workers']} workers, {d['processes']} processes, {d['runs']} run(s)"
-            )
-            if d["state"] == "idle" and pool.idle_since:
-                since = time.strftime("%H:%M:%S", time.localtime(pool.idle_since))
-                text += f", warm, idle since {since} ({d['idle_seconds'] / 60:.0f} min)"
-                if d["idle_timeout"]:
-                    text += f"; ends after {d['idle_timeout'] / 60:.0f} min idle"
-            else:
-                text += f", {d['state']}"
-            lines.append(text)
+        lines = [pool_line(pool.describe()) for pool in pools.live_pools()]
         self.pool_text = "\n".join(lines)
         self._pool.value = "<br>".join(html.escape(line) for line in lines)
         self._pool_row.layout.display = "flex" if lines else "none"

@@ -15,6 +15,7 @@ import threading
 from workbench._src.core.run_names import backend_label
 from workbench._src.core.run_stats import RESERVED, describe, figures, last_metrics, median_rate
 from workbench._src.plots import theme
+from workbench._src.plots.live_frame import Blitter, fit_limits
 
 MAX_POINTS = 2000  # drawn per line; longer histories are thinned (the CSV keeps every step)
 MAX_METRIC_PANELS = 5
@@ -128,9 +129,16 @@ class Plotter:
         self._lines: dict = {}
         self._marks: list = []  # the heal marks' lines of the last render
         self.built = False  # the last render built the figure (new panels, a new theme)
+        self.blitter = Blitter()  # live renders: the static part drawn once (plots/live_frame.py)
 
     def render(
-        self, columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()
+        self,
+        columns: dict,
+        title: str,
+        smoothing: float | None = None,
+        scale: str = "auto",
+        marks=(),
+        live: bool = False,
     ) -> bytes:
         """PNG bytes of the figure for these columns.
 
@@ -138,6 +146,9 @@ class Plotter:
         TensorBoard's exponential moving average instead (0: the raw values). scale: one of
         SCALES, for the metric panels (examples/s stays linear). marks: steps (from the run's
         start) drawn as dotted vertical lines on every panel: where a healed run resumed.
+        live: a frame of a running run's figure: the axes keep their limits while the data fit
+        and only the lines are drawn again (plots/live_frame.py); else the limits fit the data
+        exactly and everything is drawn.
         """
         _check_view(smoothing, scale)
         with _RENDER_LOCK, theme.context():
@@ -147,16 +158,43 @@ class Plotter:
             if self.built:
                 self._build(names)
                 self._layout = layout
-            self._update(columns, names, title, smoothing, scale)
+                self.blitter.forget()
+            self._update(columns, names, title, smoothing, scale, live)
             self._mark(marks)
+            moving = self._moving()
+            if live:
+                self.blitter.draw(self._figure, moving, self._static_key(layout, marks))
+            else:
+                Blitter.release(moving)
+                self.blitter.forget()  # (the full drawing below changed the limits it kept)
+                self._figure.canvas.draw()
             return self._png()
+
+    def _moving(self) -> list:
+        """What changes on every frame: the lines and the examples/s panel's title (its median)."""
+        out = []
+        for ax, raw, smooth, extra in self._lines.values():
+            out += [raw, smooth]
+            if extra is not None:
+                out += [extra, ax.title]
+        return out
+
+    def _static_key(self, layout: tuple, marks) -> tuple:
+        """What the static part of a live frame shows: drawn again only when this changes."""
+        axes = tuple(
+            (ax.get_xlim(), ax.get_ylim(), ax.get_yscale(), ax.get_title() if extra is None else "")
+            for ax, _, _, extra in self._lines.values()
+        )
+        return (layout, self._title.get_text(), self._title.get_fontsize(), tuple(marks), axes)
 
     def _mark(self, steps) -> None:
         """Dotted vertical lines at `steps` on every panel (the previous render's removed)."""
         for line in self._marks:
             line.remove()
         self._marks = [
-            ax.axvline(step, ls=":", lw=1.2, color="0.45") for ax, *_ in self._lines.values() for step in steps
+            ax.axvline(step, ls=":", lw=1.2, color="0.45")
+            for ax, *_ in self._lines.values()
+            for step in steps
         ]
 
     def _build(self, names: list[str]) -> None:
@@ -178,7 +216,7 @@ class Plotter:
         self._lines, self._marks = {}, []  # (a new figure: the old marks went with the old one)
         for i, panel in enumerate(panels):
             ax = fig.add_subplot(rows, cols, i + 1)
-            ax.set_title(panel, fontsize=12)
+            ax.set_title(panel, fontsize=11 if panel == "examples/s" else 12)
             ax.tick_params(labelsize=10)
             ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
             ax.yaxis.set_major_locator(MaxNLocator(5))
@@ -187,12 +225,14 @@ class Plotter:
             raw = ax.plot([], [], lw=0.8, alpha=0.35, color=f"C{i}")[0]
             smooth = ax.plot([], [], lw=1.6, color=f"C{i}")[0]
             extra = ax.axhline(math.nan, ls="--", lw=1, color="0.4") if panel == "examples/s" else None
+            if extra is not None:  # 12,800 on the axis, not "+1.28e4" above it (under the title)
+                ax.ticklabel_format(axis="y", useOffset=False, style="plain")
             self._lines[panel] = (ax, raw, smooth, extra)
         self._title = fig.suptitle("", fontsize=12)
         self._figure, self._layout = fig, tuple(names)
 
     def _update(
-        self, columns: dict, names: list[str], title: str, smoothing: float | None, scale: str
+        self, columns: dict, names: list[str], title: str, smoothing: float | None, scale: str, live: bool
     ) -> None:
         import numpy as np
 
@@ -200,7 +240,7 @@ class Plotter:
         steps = steps - steps[0] + 1 if steps.size else steps  # counted from the run's start
         for panel, (ax, raw, smooth, extra) in self._lines.items():
             key = "examples_per_sec" if panel == "examples/s" else panel
-            y = np.asarray(columns.get(key, []), dtype=float)
+            y = whole = np.asarray(columns.get(key, []), dtype=float)
             x, y = _thin(steps, y)
             smoothed = _smooth(y, smoothing)
             if extra is None:
@@ -229,20 +269,31 @@ class Plotter:
             else:
                 median = median_rate(y)  # (the run's median figure, as every view shows it)
                 extra.set_ydata([median, median] if median is not None else [math.nan, math.nan])
-                ax.set_title(
-                    f"examples/s (median {median:,.0f}, dashed)" if median is not None else "examples/s",
-                    fontsize=11,
+                # set_text, not set_title: set_title puts the title back at its default height,
+                # and a live frame (plots/live_frame.py) draws it where the last full drawing
+                # placed it (clear of the axis' labels).
+                ax.title.set_text(
+                    f"examples/s (median {median:,.0f}, dashed)" if median is not None else "examples/s"
                 )
             raw.set_data(x, y)
             smooth.set_data(x, smoothed)
-            ax.relim()
-            ax.autoscale_view()
+            if live:  # limits kept while the data fit: most frames redraw the lines alone
+                # (from every point, not the thinned ones: which points a thinning keeps changes
+                # from frame to frame, and so would limits taken from them)
+                fit_limits(ax, x, [whole], log=ax.get_yscale() == "log")
+            else:
+                ax.set_autoscale_on(True)
+                ax.relim()
+                ax.autoscale_view()
         self._fit_title(title)
 
     def _fit_title(self, title: str) -> None:
         """The title in a font small enough to fit the figure's width (a suptitle is centred:
         one wider than the figure was cut at both ends); on two lines at a " · ", in the
         smallest size (the room above the panels holds two lines of it), if 8 pt does not fit."""
+        if getattr(self, "_fitted", None) == (title, self._layout):
+            return  # (measuring text costs a live frame several ms: the same title fits the same)
+        self._fitted = (title, self._layout)
         renderer = self._figure.canvas.get_renderer()
         room = 0.98 * self._figure.bbox.width
         self._title.set_text(title)
@@ -256,8 +307,7 @@ class Plotter:
     def _png(self) -> bytes:
         from PIL import Image
 
-        canvas = self._figure.canvas
-        canvas.draw()
+        canvas = self._figure.canvas  # (drawn by render)
         width, height = canvas.get_width_height()
         image = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
         out = io.BytesIO()
@@ -303,13 +353,21 @@ def _two_lines(title: str) -> str:
     return " \u00b7 ".join(parts[:cut]) + "\n" + " \u00b7 ".join(parts[cut:])
 
 
-def render(columns: dict, title: str, smoothing: float | None = None, scale: str = "auto", marks=()) -> bytes:
+def render(
+    columns: dict,
+    title: str,
+    smoothing: float | None = None,
+    scale: str = "auto",
+    marks=(),
+    live: bool = False,
+) -> bytes:
     """PNG of the run figure, drawn on one figure shared by every dashboard and the run store.
 
     Building a figure costs several redraws; sharing one (under the render lock) pays that
-    once per process and set of metric names instead of once per run.
+    once per process and set of metric names instead of once per run. live: a running run's
+    frame (Plotter.render).
     """
-    return _shared.render(columns, title, smoothing, scale, marks)
+    return _shared.render(columns, title, smoothing, scale, marks, live)
 
 
 def _check_view(smoothing: float | None, scale: str) -> None:

@@ -120,6 +120,7 @@ def run_file(args) -> int:
         }
         summary["collective_bytes"] = int(table.attrs.get("collective_bytes") or 0)
     if args.history:
+        _make_folder(args.history)
         run.history.to_csv(args.history, index=False)
         summary["history_csv"] = args.history
     print(json.dumps(summary, default=str))
@@ -168,7 +169,7 @@ def scale_file(args) -> int:
         study = scaling_study(
             setup=setup, backend=args.backend, replicas=counts, mode=args.mode,
             batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
-            steps_per_execution=args.steps_per_execution, path=args.out, live=False,
+            steps_per_execution=args.steps_per_execution, path=_figure_path(args), live=False,
             repeats=getattr(args, "repeats", 1), **options,
         )  # fmt: skip
     except WorkbenchError as e:
@@ -176,6 +177,7 @@ def scale_file(args) -> int:
         return 1
     table = study.table
     if args.csv:
+        _make_folder(args.csv)
         table.to_csv(args.csv, index=False)
     columns = [c for c in (*SUMMARY_COLUMNS, "devices_kind") if c in table]
     print(table[columns].to_string(index=False, float_format=fmt))  # 11,050, not 1.105e+04
@@ -183,7 +185,8 @@ def scale_file(args) -> int:
         print(f"note: {note}")
     if table["threads_note"].iloc[-1]:  # the most replicas: the strongest caveat
         print(f"note: {table['threads_note'].iloc[-1]}")
-    print(f"figure: {study.path}" + (f"\ntable: {args.csv}" if args.csv else ""))
+    figure = study.path or "not written (--out PNG, or --csv, says where)"
+    print(f"figure: {figure}" + (f"\ntable: {args.csv}" if args.csv else ""))
     return 0
 
 
@@ -205,6 +208,7 @@ def _report_failure(error: Exception, args) -> int:
     else:
         print(f"workbench run: the run failed{where}: {first}", file=sys.stderr)
     if args.history and failed is not None:  # the rows up to the failure are kept
+        _make_folder(args.history)
         failed.history.to_csv(args.history, index=False)
         print(f"workbench run: history up to step {failed.steps}: {args.history}", file=sys.stderr)
     if not isinstance(error, WorkbenchError):
@@ -309,3 +313,18 @@ def _make_replicator(args):
     if args.worker_timeout is not None:
         extra["worker_timeout"] = args.worker_timeout
     return registry.replicator(args.backend, num_replicas=args.replicas, **extra)
+
+
+def _figure_path(args) -> str | None:
+    """The scaling figure's file: --out, else beside --csv; none without either (the command
+    writes into the working directory only what it is asked to)."""
+    if args.out:
+        return args.out
+    if args.csv:
+        return str(Path(args.csv).with_suffix(".png"))
+    return None
+
+
+def _make_folder(path: str) -> None:
+    """The folder a file is asked for in (`--history runs/h.csv`): made, as the figure's is."""
+    Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from workbench._src.core.live import plot_spacing, shown
+from workbench._src.core.live import doing_now, plot_spacing, shown
 from workbench._src.core.run import Event
 from workbench._src.core.run_stats import shown_reason
 from workbench._src.plots import breakdown_plot, run_plot
@@ -43,6 +43,7 @@ _choice: dict = {"smoothing": None, "scale": "auto"}
 # How long a run's end waits for the dashboard's final figure. Drawing takes well under a second;
 # a renderer held longer is stuck on something outside it, and the run does not wait for it.
 FINAL_FIGURE_WAIT = 60.0
+FIGURE_THREAD = "workbench figure"  # the thread that draws the live figure
 
 
 def _warn_stuck(thread: threading.Thread) -> None:
@@ -87,7 +88,7 @@ class Dashboard(DashboardView):
         display: bool = True,
         frontend: Frontend = "auto",
         max_rate_hz: float = 2.0,
-        render_budget: float = 0.03,
+        render_budget: float = 0.1,
         progress: bool = True,
     ):
         self.frontend = detect_frontend() if frontend == "auto" else frontend
@@ -121,8 +122,12 @@ class Dashboard(DashboardView):
         self._progress = progress
         self._ended: dict | None = None
         self._wake = threading.Event()
+        self._plot_wake = threading.Event()  # a new snapshot or a control: the figure thread draws
         self._thread: threading.Thread | None = None
+        self._plot_thread: threading.Thread | None = None
+        self._plot_cpu = 0.0  # CPU the figure thread used
         self._next_plot = 0.0
+        self._plotted_seq = None  # the snapshot the figure shows
         # A control changed: only the renderer thread draws, so the control asks it to (at once).
         self._redraw_requested = False
         self._bar = None
@@ -147,6 +152,7 @@ class Dashboard(DashboardView):
             if "snapshot" in event.data:  # the run's one snapshot (core/live.py): shown now
                 self.snapshot = event.data["snapshot"]
                 self._wake.set()
+                self._plot_wake.set()
             return
         if event.kind == "started":
             self.started, self.status, self.run_id = True, "running", event.run_id
@@ -156,6 +162,10 @@ class Dashboard(DashboardView):
             self._start_thread()
         elif event.kind in ("message", "checkpoint"):
             self.message = event.data.get("text") or f"checkpoint: {event.data.get('path')}"
+            # A launched run says what it does (starting its processes) before it has started:
+            # the header shows it at once.
+            self._start_thread()
+            self._wake.set()
         elif event.kind == "restart":  # a heal: marked on the step axis; its rows come again
             self.history.truncate(event.data["run_step"])
             self.snapshot = event.data.get("snapshot") or self.snapshot
@@ -210,26 +220,59 @@ class Dashboard(DashboardView):
         steps = self.config.get("steps")
         return int(steps) if steps is not None else None
 
-    # ----- the renderer thread -------------------------------------------------------------
+    # ----- the renderer threads --------------------------------------------------------------
+    # Two threads: one shows each snapshot in the header and the bar as it comes; the other
+    # draws the figure from the latest snapshot when it is free (a frame that a newer snapshot
+    # made stale is never drawn). On one thread a drawing held the header back by two snapshots.
     def _start_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="workbench dashboard", daemon=True)
             self._thread.start()
+            if self.frontend == "widgets":
+                self._plot_thread = threading.Thread(target=self._plot_loop, name=FIGURE_THREAD, daemon=True)
+                self._plot_thread.start()
 
     def _loop(self) -> None:
         try:
             while self._ended is None:
-                self._wake.wait(self.period)  # at most max_rate_hz refreshes, or woken
+                self._wake.wait(self.period)  # each snapshot, or max_rate_hz refreshes at most
                 self._wake.clear()  # the end and the close set _ended before waking: seen below
                 if self._ended is not None:
                     break
-                forced, self._redraw_requested = self._redraw_requested, False
-                self._refresh(final=False, forced=forced)
-                self.cpu_seconds = time.thread_time()
+                self._refresh(final=False)
+                self.cpu_seconds = time.thread_time() + self._plot_cpu
         except Exception as e:  # noqa: BLE001 - a broken plot must not touch training
             self.error = e
         finally:
+            self._stop_plot_thread()
             self._finish()
+
+    def _plot_loop(self) -> None:
+        try:
+            while self._ended is None:
+                self._plot_wake.wait(self.period)  # a new snapshot, a control, or the period
+                self._plot_wake.clear()
+                # Within its CPU budget: new snapshots meanwhile are not drawn one by one; the
+                # drawing after the wait shows the latest (a control's change comes at once).
+                while self._ended is None and not self._redraw_requested:
+                    wait = self._next_plot - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._plot_wake.wait(wait)
+                    self._plot_wake.clear()
+                if self._ended is not None:
+                    break
+                forced, self._redraw_requested = self._redraw_requested, False
+                self._draw_figure(forced)
+                self._plot_cpu = time.thread_time()
+        except Exception as e:  # noqa: BLE001 - a broken plot must not touch training
+            self.error = e
+
+    def _stop_plot_thread(self) -> None:
+        thread = self._plot_thread
+        if thread is not None and thread is not threading.current_thread():
+            self._plot_wake.set()
+            thread.join(timeout=FINAL_FIGURE_WAIT)
 
     def _finish(self) -> None:
         try:
@@ -249,22 +292,33 @@ class Dashboard(DashboardView):
         self.scale = self._scale_buttons.value
         _choice.update(smoothing=self.smoothing, scale=self.scale)
         self._redraw_requested = True
-        self._wake.set()  # (a renderer that has ended is not woken: nothing is drawn)
+        self._plot_wake.set()  # (a renderer that has ended is not woken: nothing is drawn)
 
-    def _refresh(self, final: bool, forced: bool = False) -> None:
+    def _refresh(self, final: bool) -> None:
+        """The header and the bar, from the latest snapshot (every refresh reads `self.snapshot`
+        once: the numbers beside each other are one snapshot's); at the end, the final figure."""
         if self.status == "closed":
             self._bar.close() if self._bar is not None else None
             return
-        columns, fig = shown(self.history.snapshot(), self.snapshot, self.status, final, self.target)
+        if not self.started and not final:  # a launched run's processes starting: what it says
+            if self.frontend == "widgets":
+                self._header.value = (
+                    f"<div data-snapshot='0'>{_status_html('starting the run', self.message, None)}</div>"
+                )
+            return
+        snapshot = self.snapshot
+        columns, fig = shown(self.history.snapshot(), snapshot, self.status, final, self.target)
         summary = run_plot.summarize(columns)
         self._update_bar(summary, fig, run_plot.metric_names(columns), final)
-        now = time.monotonic()
         title = run_plot.title_for(self.config, self.status, columns, self.name, self.target, fig=fig)
-        if self.frontend == "widgets":  # (before the figure, whose drawing takes a while)
+        if self.frontend == "widgets":
             reason = shown_reason(self.status, (self._ended or {}).get("reason"))
+            # Before step 1, what the run is doing (importing, starting processes, compiling);
+            # later the last thing it said (a lost worker, a checkpoint), under the numbers.
+            message = doing_now(self.message, fig, self.status)
             # data-snapshot: which of the run's snapshots the header shows (the sidebar's cards say too)
             self._header.value = (
-                f"<div data-snapshot='{fig.get('seq', 0)}'>{_status_html(title, self.message, reason)}</div>"
+                f"<div data-snapshot='{fig.get('seq', 0)}'>{_status_html(title, message, reason)}</div>"
             )
             if self.breakdown:  # where a step's time goes: a stacked bar per worker, a sentence
                 self._breakdown_bar.value = breakdown_plot.bar_html(
@@ -278,26 +332,34 @@ class Dashboard(DashboardView):
                 else None
             )
             self._show_final(summary, title)
-        elif (
-            self.frontend == "widgets"
-            and len(columns.get("step", ())) > 1
-            and (now >= self._next_plot or forced)  # a control changed: at once, not in budget
+
+    def _draw_figure(self, forced: bool) -> None:
+        """The figure of the latest snapshot (on the figure thread), spaced by its CPU cost."""
+        snapshot = self.snapshot
+        columns, fig = shown(self.history.snapshot(), snapshot, self.status, False, self.target)
+        if len(columns.get("step", ())) <= 1 or (
+            snapshot is not None and snapshot.get("seq") == self._plotted_seq and not forced
         ):
-            t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
-            live_title = run_plot.title_for(self.config, self.status, columns, self.name, numbers=False)
-            # the header above carries the numbers
-            self.png = run_plot.render(columns, live_title, self.smoothing, self.scale, self.heals)
-            self._image.value = self.png
-            self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
-            # The figure is drawn less often than the header refreshes: it says how far it goes.
-            self._figure_step.value = f"figure: steps 1-{len(columns['step']):,}"
-            self._controls.layout.display = ""
-            cost = time.thread_time() - t0
-            self.renders += 1
-            self.render_seconds += cost
-            self.render_threads.add(threading.current_thread().name)
-            self.render_times.append(now)
-            self.render_costs.append(cost)
-            if not run_plot.last_render_built():
-                self._redraw_costs.append(cost)
-            self._next_plot = now + plot_spacing(self._redraw_costs, self.period, self.render_budget)
+            return  # (nothing new to draw)
+        now = time.monotonic()
+        t0 = time.thread_time()  # CPU taken from training, not time spent waiting for the GIL
+        live_title = run_plot.title_for(self.config, self.status, columns, self.name, numbers=False)
+        # the header above carries the numbers
+        self.png = run_plot.render(columns, live_title, self.smoothing, self.scale, self.heals, live=True)
+        self._image.value = self.png
+        self._image.layout.display = ""  # hidden until there is a picture: no broken-image icon
+        # The figure says which snapshot it shows and how far it goes (the header's may be newer).
+        self._plotted_seq = (snapshot or {}).get("seq")
+        self._figure_step.value = (
+            f"<span data-figure-snapshot='{self._plotted_seq or 0}'>figure: steps 1-{len(columns['step']):,}</span>"
+        )
+        self._controls.layout.display = ""
+        cost = time.thread_time() - t0
+        self.renders += 1
+        self.render_seconds += cost
+        self.render_threads.add(threading.current_thread().name)
+        self.render_times.append(now)
+        self.render_costs.append(cost)
+        if not run_plot.last_render_built():
+            self._redraw_costs.append(cost)
+        self._next_plot = now + plot_spacing(self._redraw_costs, self.period, self.render_budget)

@@ -11,6 +11,7 @@ import base64
 import sys
 from typing import Literal
 
+from workbench._src.core.live import before_the_run
 from workbench._src.core.run_stats import fmt, fmt_duration, shown_reason
 from workbench._src.plots import run_plot
 from workbench._src.sinks import runstore
@@ -89,9 +90,9 @@ class DashboardView:
             self._bar.close()
 
     def _show_final(self, summary: dict, title: str) -> None:
+        self._final_title = title  # (a theme switch draws the figure again: retheme)
         reason = shown_reason(self.status, (self._ended or {}).get("reason"))
         text = title + (f" ({reason})" if reason else "")
-        failed = self.status == "failed"
         if self.frontend == "console":
             where = runstore.record_dir(self.run_id)
             print(text + (f"; figure: {where}/{runstore.FIGURE}" if where else ""), flush=True)
@@ -102,18 +103,7 @@ class DashboardView:
             self._controls.layout.display = ""
         self._stop_button.layout.display = "none"
         if self._handle is not None:
-            if failed:  # the reason first, in one line; the traceback behind a toggle
-                bundle = {
-                    "text/html": failed_html(self.name, reason, (self._ended or {}).get("details"), self.png)
-                }
-            elif self.png is not None:
-                # A plain PNG (drawn with the smoothing and scale chosen while it ran), not the
-                # widget: a widget view saved in a notebook shows "model not found" once its
-                # kernel is gone, and nbval, nbconvert and GitHub show the PNG anyway.
-                bundle = {"image/png": base64.b64encode(self.png).decode("ascii")}
-            else:
-                bundle = {}
-            bundle["text/plain"] = text
+            bundle = self._final_bundle(text, reason)
             self._handle.update(bundle, raw=True)
             if not self._background:
                 # A foreground cell is still running, so the replacement surely reached the
@@ -121,10 +111,41 @@ class DashboardView:
                 self._bar.close() if self._bar is not None else None
                 self.widget.close()
 
+    def _final_bundle(self, text: str, reason: str | None) -> dict:
+        if self.status == "failed":  # the reason first, in one line; the traceback behind a toggle
+            bundle = {
+                "text/html": failed_html(self.name, reason, (self._ended or {}).get("details"), self.png)
+            }
+        elif self.png is not None:
+            # A plain PNG (drawn with the smoothing and scale chosen while it ran), not the
+            # widget: a widget view saved in a notebook shows "model not found" once its
+            # kernel is gone, and nbval, nbconvert and GitHub show the PNG anyway.
+            bundle = {"image/png": base64.b64encode(self.png).decode("ascii")}
+        else:
+            bundle = {}
+        bundle["text/plain"] = text
+        self._shown_final = (text, reason)
+        if self not in _finished:  # (re-themed when the page's theme changes: retheme_finished)
+            _finished.append(self)
+            del _finished[:-MAX_RETHEMED]
+        return bundle
+
+    def retheme(self) -> None:
+        """Draws this finished run's figure again in the page's theme and replaces the cell's
+        (the figure is a PNG: drawn light, it stayed white on a dark page)."""
+        shown_final = getattr(self, "_shown_final", None)
+        columns = self.history.snapshot()
+        if self._handle is None or self.png is None or shown_final is None or not columns.get("step"):
+            return
+        self.png = run_plot.final_png(
+            self.run_id or "?", columns, self._final_title, self.smoothing, self.scale, self.heals
+        )
+        self._handle.update(self._final_bundle(*shown_final), raw=True)
+
     def _build_widgets(self) -> None:
         import ipywidgets as w
 
-        self._header = w.HTML(_status_html("waiting for the run to start", None, None))
+        self._header = w.HTML(_status_html(before_the_run(), None, None))
         # Hidden until the first figure: an empty Image shows the browser's broken-image icon.
         self._image = w.Image(format="png", layout=w.Layout(max_width="100%", display="none"))
         self._stop_button = w.Button(
@@ -214,6 +235,25 @@ def failed_html(name: str, reason: str | None, details: str | None, png: bytes |
     if png is not None:
         out += f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'/>"
     return out + "</div>"
+
+
+# The finished dashboards of this kernel whose figure a theme switch draws again (the newest).
+MAX_RETHEMED = 20
+_finished: list = []
+
+
+def retheme_finished() -> int:
+    """The page's theme changed: every finished run's figure shown in a cell is drawn again in
+    it (the live ones follow by themselves: plots/run_plot.py builds a figure per theme).
+    Returns how many were redrawn."""
+    count = 0
+    for view in list(dict.fromkeys(_finished)):
+        try:
+            view.retheme()
+            count += 1
+        except Exception:  # noqa: BLE001 - a closed display must not break the others
+            continue
+    return count
 
 
 def _status_html(title: str, message: str | None, reason: str | None) -> str:
