@@ -132,7 +132,9 @@ class RayLink:
                 self._take(waitable)
 
     def _take(self, waitable) -> None:
-        ray, task = self.ray, self._watched[waitable]
+        ray, task = self.ray, self._watched.get(waitable)
+        if task is None:
+            return
         try:
             if isinstance(waitable, ray.ObjectRefGenerator):
                 said = ray.get(next(waitable))
