@@ -12,7 +12,8 @@ launcher is Ray's own primitives (placements/ray/link.py is the other end):
   - `serve_tf(...)` (TF server members) never returns while the server serves: its object ref
     failing is that member's death.
 A heartbeat thread stays for what Ray cannot see: a frozen process (SIGSTOP, a hung call) is alive
-to Ray, and only its silence tells. A temp-folder cleaner (a tiny process of its own) removes the
+to Ray, and only its silence tells; and a cut-off watch for what Ray does not end: a node cut off
+from the head keeps running its actors (`_leave_when_cut_off`). A temp-folder cleaner (a tiny process of its own) removes the
 member's temp folder however the actor ends, killed by a signal or its raylet included.
 
 Nothing here imports Ray, TensorFlow or the backends at import time: the launcher imports this
@@ -43,6 +44,19 @@ HEARTBEAT_SECONDS = 0.5
 # unreachable): once taken, Ray's own threads deliver it without the GIL. It bounds only how long
 # a member whose launcher stopped reading waits; a reading launcher takes it within milliseconds.
 FLUSH_SECONDS = 5.0
+# How long the stream gathers messages into one item after the first: a chief's per-step events
+# (hundreds a second) then cost Ray a few dozen objects a second, not one each. It adds this much
+# to how late the launcher hears anything; keep it well under a heartbeat period.
+BATCH_SECONDS = 0.02
+# A node cut off from the cluster's head is declared dead by the GCS, which cannot tell it; its
+# raylet (Ray 2.60) then keeps it and its actors running for good: the one fault of this kind Ray
+# does not end by itself. A member whose node has been unable to reach the GCS this long (or is
+# declared dead) leaves. Only time this process could run counts (a stall starts the count
+# again). It bounds how long a cut-off member lingers; keep it well above a loaded GCS's answer.
+CUT_OFF_SECONDS = 30.0
+CUT_OFF_CHECK_SECONDS = 5.0  # how often the member asks the GCS about its node
+# A one-second sleep of the cut-off watch that ends this much late: the process could not run.
+STALL_SECONDS = 1.0
 # The cleaner: forked off twice so it is no child of the actor (Ray ends a dead worker's children),
 # it waits for EOF on its stdin, which comes when the actor's process ends, however it ends.
 CLEANER = """
@@ -71,11 +85,15 @@ class ActorLink(LinkInbox):
             yielded.wait(FLUSH_SECONDS)
 
     def stream(self):
-        """What the member said, in batches, until it has left."""
+        """What the member said, in batches of what came within BATCH_SECONDS, until it has left."""
         while True:
             batch = [self.outbox.get()]
-            while not self.outbox.empty():
-                batch.append(self.outbox.get_nowait())
+            until = time.monotonic() + BATCH_SECONDS
+            while batch[-1][0] is not None and time.monotonic() < until:
+                try:
+                    batch.append(self.outbox.get(timeout=max(0.0, until - time.monotonic())))
+                except queue.Empty:
+                    break
             said = [message for message, _ in batch if message is not None]
             if said:
                 yield said  # (returns once Ray has serialized the batch and sent it on its way)
@@ -106,11 +124,15 @@ class Member:
         os.environ["TMPDIR"] = os.environ[TMP_DIR_ENV] = self.tmp_dir
         tempfile.tempdir = self.tmp_dir
         self.cleaner = _start_cleaner(self.tmp_dir)
+        self.watching = False
 
     def where(self) -> dict:
         """This process's node address, pid, and a port free on its node for its TF server."""
         import ray
 
+        if not self.watching:  # (here, inside Ray: the constructor may run without it)
+            self.watching = True
+            threading.Thread(target=self._leave_when_cut_off, name="workbench cut-off watch", daemon=True).start()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
@@ -170,6 +192,38 @@ class Member:
             self.leaving.set()
         if self.link is not None:
             self.link.receive(message)
+
+    def _leave_when_cut_off(self) -> None:
+        """Leaves (removing its temp folder) once its node has not reached the GCS for
+        CUT_OFF_SECONDS, or the GCS declared its node dead (see CUT_OFF_SECONDS)."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        answered, declared_dead = [time.monotonic()], threading.Event()
+
+        def ask():
+            while True:
+                try:
+                    nodes = ray.nodes()
+                    if any(n.get("NodeID") == node and not n.get("Alive") for n in nodes):
+                        declared_dead.set()
+                        return
+                    answered[0] = time.monotonic()
+                except Exception:  # noqa: BLE001 - unreachable: the answer stays old
+                    pass
+                time.sleep(CUT_OFF_CHECK_SECONDS)
+
+        threading.Thread(target=ask, name="workbench gcs check", daemon=True).start()
+        ticked = time.monotonic()
+        while True:
+            time.sleep(1.0)
+            now = time.monotonic()
+            if now - ticked > 1.0 + STALL_SECONDS:
+                answered[0] = max(answered[0], now)  # (the check was held up the same way)
+            ticked = now
+            if declared_dead.is_set() or now - answered[0] > CUT_OFF_SECONDS:
+                self.clean_up()
+                os._exit(5)
 
     def clean_up(self) -> None:
         """Removes this process's temp folder (its cleaner does it too when the process ends)."""
