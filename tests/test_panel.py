@@ -162,6 +162,47 @@ def test_run_on_a_process_backend_sends_the_last_replicate_cell(tmp_path):
             p.close()
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_orphans")
+def test_run_with_restarts_heals_a_killed_worker_and_its_magic_line_does_the_same(tmp_path):
+    """The panel's restarts field is repl.train's max_restarts: a worker SIGKILLed mid-run is
+    healed (one restart, every step once), and the equivalent magic line carries it and runs."""
+    import os
+    import signal
+
+    from helpers import PROCESS_CELL
+
+    shell = ipython_shell()
+    with isolated_notebook_state(tmp_path / "runs"):
+        shell.run_cell_magic("replicate", "--backend single --steps 5 --no-live", PROCESS_CELL)
+        p = wb.ui.panel()
+        try:
+            p.backend, p.workers, p.steps = "multi-worker", 2, 200
+            assert p._max_restarts.disabled is False and p.max_restarts == 0
+            p._max_restarts.value = 1  # as a researcher types it
+            assert p.max_restarts == 1 and "--max-restarts 1" in p.magic_line, p.magic_line
+            with pytest.raises(traitlets.TraitError, match="max_restarts.*should not be less than 0"):
+                p.max_restarts = -1
+            run = p.start()
+            assert run is not None, p.status
+            wait_for(lambda: run.steps >= 60 or not run.running, timeout=180)
+            worker = next(q for q in run.processes if q["role"] == "worker" and q["index"] == 1)
+            os.kill(worker["pid"], signal.SIGKILL)
+            run.wait(300)
+            assert run.status == "finished", run.stop_reason
+            assert list(run.history["step"]) == list(range(1, 201))  # the lost stretch re-run, once
+            assert len(run.restarts) == 1 and run.restarts[0]["member"] == "worker 1", run.restarts
+            # The line the panel shows, pasted as the head of the cell, is accepted as it reads.
+            line = p.magic_line.split(" ", 1)[1].replace("--steps 200", "--steps 3") + " --no-live"
+            pasted = shell.run_cell_magic("replicate", line, PROCESS_CELL)
+            pasted.wait(120)
+            assert pasted.status == "finished", pasted.stop_reason
+            p.backend = "single"  # (the restarts field is off where nothing heals)
+            assert p._max_restarts.disabled and "--max-restarts" not in p.magic_line, p.magic_line
+        finally:
+            p.close()
+
+
 @pytest.mark.usefixtures("no_orphans")  # (choosing multi-worker started its pool in the background)
 def test_run_on_a_process_backend_without_a_replicate_cell_says_what_to_do(panel):
     panel.backend, panel.workers = "multi-worker", 2

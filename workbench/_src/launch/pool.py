@@ -12,6 +12,9 @@ The rules, all here, the same for every placement (launch/placement.py):
   - a run that failed, timed out or lost a process retires its pool (the cluster is in doubt:
     a worker that saw a collective fail cannot run collectives again); so does a pool found
     with a dead member when the next run takes it; the next run says so in one line;
+  - a pool whose processes have grown by more than MEMORY_GROWTH_LIMIT since its first run is
+    renewed after a run (TensorFlow 2.21 never frees a traced graph, tensorflow#124972: every run
+    traces its step again, so a warm process grows by its graphs, ~5 MiB a run for a small MLP);
   - a pool ends with `shutdown()` (repl.shutdown(), the panel's button, the session's
     replicator replaced), after `idle_timeout` seconds unused (a daemon timer: it never holds
     the interpreter), at interpreter exit (launch/exit.py), and when this process is killed
@@ -23,6 +26,7 @@ The kernel's pools are one object, `POOLS` (a `Pools`); the module's functions a
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -36,6 +40,11 @@ STOP_GRACE = 2.0
 # How long interpreter exit waits for a pool still starting in the background: long enough for
 # a start that is almost done to become a pool (then it is stopped), short enough for a restart.
 EXIT_START_WAIT = 5.0
+# How much a warm pool's process may grow (its RSS after a run over its RSS after the pool's
+# first run) before the pool is renewed: it bounds a warm process's memory to this much above
+# what one run needs, at the price of one pool start every (limit / growth per run) runs, about
+# every 25 runs of a small model. Lower it on a machine short of memory.
+MEMORY_GROWTH_LIMIT = 0.25
 
 
 class Pool:
@@ -56,6 +65,7 @@ class Pool:
         self.started_in_background = False  # prestart(): before any run asked for it
         self.timer: threading.Timer | None = None
         self.placement = plan.placement(backend)  # local processes or Ray actors
+        self.memory_baseline: dict | None = None  # {pid: RSS bytes} after the first run
 
     # ----- what the launcher uses (the placement's, one name down) -------------------------------
     @property
@@ -102,6 +112,26 @@ class Pool:
                 return self.dead_member() or problem  # (how it ended says more than a closed socket)
             if message.get("type") in ("disconnected", "error"):
                 problem = problem or f"{task.replace(':', ' ')} disconnected"
+
+    def memory_growth(self) -> str:
+        """'' while every process of the pool readable here has grown by at most
+        MEMORY_GROWTH_LIMIT since the end of the pool's first run; else which one grew and by how
+        much. (The first call, after the first run, records the baseline.)"""
+        here = [p for p in self.processes if str(p.get("node", "127.")).startswith("127.")]  # (else unread)
+        now = {p["pid"]: process_rss_bytes(p["pid"]) for p in here}
+        now = {pid: rss for pid, rss in now.items() if rss}
+        if self.memory_baseline is None:
+            self.memory_baseline = now
+            return ""
+        for process in here:
+            before, after = self.memory_baseline.get(process["pid"]), now.get(process["pid"])
+            if before and after and after > before * (1 + MEMORY_GROWTH_LIMIT):
+                return (
+                    f"{process['role']} {process['index']} grew from {before / 2**20:.0f} to "
+                    f"{after / 2**20:.0f} MiB over {self.runs} runs: TensorFlow keeps every run's "
+                    "traced graphs, so a warm pool is renewed before it grows without bound"
+                )
+        return ""
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         if self.timer is not None:
@@ -240,7 +270,11 @@ class Pools:
         self.changed()
 
     def checkin(self, pool: Pool, healthy: bool, reason: str = "") -> None:
-        """After a run: a healthy pool that keeps goes idle (its timer starts); any other retires."""
+        """After a run: a healthy pool that keeps goes idle (its timer starts); any other retires,
+        as does one whose processes have outgrown MEMORY_GROWTH_LIMIT since its first run."""
+        grown = pool.memory_growth() if healthy and pool.keep else ""
+        if grown:
+            healthy, reason = False, grown
         with self.lock:
             if pool.state == "retired":
                 return
@@ -350,3 +384,12 @@ shutdown = POOLS.shutdown
 live_pools = POOLS.live
 observe = POOLS.observe
 _retire_all = POOLS.retire_all  # (tests/test_pools.py decides a retirement by hand)
+
+
+def process_rss_bytes(pid: int) -> int | None:
+    """Resident memory of `pid`, a process of this machine, in bytes (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return None

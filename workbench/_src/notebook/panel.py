@@ -32,6 +32,7 @@ class Panel(w.VBox):
     workers = traitlets.Int(2, help="worker processes (multi-worker, async-ps)")
     ps = traitlets.Int(1, help="parameter servers (async-ps)")
     steps = traitlets.Int(300, help="steps Run trains")
+    max_restarts = traitlets.Int(0, min=0, help="heals of a run on worker processes (0: a lost one ends it)")
     magic_line = traitlets.Unicode("", help="the %replicate line that does what Run does")
     status = traitlets.Unicode("", help="what the panel last did, or why it could not")
     pool_text = traitlets.Unicode("", help="the warm worker pools of this kernel ('' when none)")
@@ -87,10 +88,12 @@ class Panel(w.VBox):
                 raise traitlets.TraitError(str(e)) from None
         return value
 
-    @traitlets.observe("backend", "replicas", "workers", "ps", "steps", "cluster")
+    @traitlets.observe("backend", "replicas", "workers", "ps", "steps", "cluster", "max_restarts")
     def _on_choice(self, change):
         self._sync_widgets()
-        if change["name"] != "steps" and not self._syncing:
+        if (
+            change["name"] not in ("steps", "max_restarts") and not self._syncing
+        ):  # (a run's, not the replicator's)
             self.apply()
 
     def apply(self):
@@ -194,8 +197,9 @@ class Panel(w.VBox):
         try:
             functions = (None, None) if in_processes else (ns["step_fn"], ns["input_fn"])
             run = session.train(
-                repl, *functions, self.steps, background=True, dashboard=dashboard, cell=cell, namespace=ns
-            )
+                repl, *functions, self.steps, background=True, dashboard=dashboard, cell=cell, namespace=ns,
+                max_restarts=self.max_restarts if self._spec.takes_workers else 0,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001
             self._live.children = []
             self.status = f"error: {type(e).__name__}: {e}"
@@ -275,6 +279,11 @@ class Panel(w.VBox):
         )
         self._ps = w.BoundedIntText(min=1, max=64, description="ps", layout=w.Layout(width="170px"))
         self._steps = w.BoundedIntText(min=1, max=10**9, description="steps", layout=w.Layout(width="190px"))
+        self._max_restarts = w.BoundedIntText(
+            min=0, max=100, description="restarts", layout=w.Layout(width="170px"),
+            tooltip="max_restarts: how often a run on worker processes heals itself after a lost "
+            "worker (restarted from its last checkpoint); 0: a lost worker ends the run",
+        )  # fmt: skip
         self._cluster = w.Combobox(
             options=["ray=local", "ray"],
             placeholder="this machine",
@@ -285,13 +294,14 @@ class Panel(w.VBox):
             continuous_update=False,
             layout=w.Layout(width="260px"),
         )
-        self._cluster.observe(lambda c: self._set_cluster(c["new"]), "value")
+        self._cluster.observe(lambda c: self._set_from_widget("cluster", c["new"]), "value")
         self._cluster_info = w.HTML()
         for widget, trait in (
             (self._replicas, "replicas"),
             (self._workers, "workers"),
             (self._ps, "ps"),
             (self._steps, "steps"),
+            (self._max_restarts, "max_restarts"),
         ):
             widget.observe(lambda c, trait=trait: self._set_from_widget(trait, c["new"]), "value")
         self._run_button = w.Button(
@@ -319,7 +329,7 @@ class Panel(w.VBox):
             w.HBox([w.Label("mode"), self._sync_button, self._async_button]),
             self._reasons,
             w.HBox([self._replicas, self._workers, self._ps, self._steps]),
-            w.HBox([self._cluster, self._cluster_info]),
+            w.HBox([self._cluster, self._max_restarts, self._cluster_info]),
             w.HBox([self._run_button, self._stop_button]),
             self._status,
             self._pool_row,
@@ -342,15 +352,7 @@ class Panel(w.VBox):
         else:
             self._sync_widgets()  # a toggle cannot be switched off: pick another backend
 
-    def _set_cluster(self, value: str) -> None:
-        if not self._syncing:
-            try:
-                self.cluster = value
-            except traitlets.TraitError as e:
-                self.status = f"error: {e}"
-                self._sync_widgets()
-
-    def _set_from_widget(self, trait: str, value: int) -> None:
+    def _set_from_widget(self, trait: str, value) -> None:
         if not self._syncing:
             try:
                 setattr(self, trait, value)
@@ -375,11 +377,14 @@ class Panel(w.VBox):
             self._ps.value, self._ps.disabled = self.ps, not spec.takes_ps
             self._steps.value = self.steps
             self._cluster.value, self._cluster.disabled = self.cluster, not spec.takes_workers
+            self._max_restarts.value = self.max_restarts
+            self._max_restarts.disabled = not spec.takes_workers  # heals replace worker processes
         finally:
             self._syncing = False
         self.magic_line = equivalent_magic(
-            self.backend, self.replicas, self.workers, self.ps, self.cluster, steps=self.steps
-        )
+            self.backend, self.replicas, self.workers, self.ps, self.cluster, steps=self.steps,
+            max_restarts=self.max_restarts,
+        )  # fmt: skip
         where = (
             "first line of the %%replicate cell that builds the model"
             if self.magic_line.startswith("%%")

@@ -151,6 +151,7 @@ def magic_line(
     background: bool = False,
     cluster: str | None = None,
     cell: bool = False,
+    max_restarts: int | None = None,
 ) -> str:
     """The `%replicate` line that does the same as these options (shown by the panel to copy);
     cell=True: the first line of a `%%replicate` cell (which names no functions)."""
@@ -164,6 +165,7 @@ def magic_line(
         ("--ps", num_ps),
         ("--cluster", cluster),
         ("--steps", steps),
+        ("--max-restarts", max_restarts),
     ):
         if value is not None:
             parts += [flag, str(value)]
@@ -237,7 +239,14 @@ def train(
 
 
 def equivalent_magic(
-    backend: str, replicas: int, workers: int, ps: int, cluster: str = "", *, steps: int
+    backend: str,
+    replicas: int,
+    workers: int,
+    ps: int,
+    cluster: str = "",
+    *,
+    steps: int,
+    max_restarts: int = 0,
 ) -> str:
     """The magic that does what Run does with this choice (the panel's counts that the backend
     takes). A process backend builds the model in each of its processes, from the cell that
@@ -250,4 +259,8 @@ def equivalent_magic(
         ps if spec.takes_ps else None,
     )
     where = (cluster or None) if spec.takes_workers else None
-    return magic_line(backend, *counts, steps=steps, background=True, cluster=where, cell=spec.in_processes)
+    restarts = (max_restarts or None) if spec.takes_workers else None
+    return magic_line(
+        backend, *counts, steps=steps, background=True, cluster=where, cell=spec.in_processes,
+        max_restarts=restarts,
+    )  # fmt: skip
