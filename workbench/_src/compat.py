@@ -1,10 +1,10 @@
-"""Every use of a private TensorFlow, Keras or CPython name, in one place.
+"""Every use of a private TensorFlow, Keras, Ray or CPython name, in one place.
 
 Each entry says what it reaches into, the version it was checked on, why no public API does it,
 and when it can go. An upgrade that breaks one breaks it here, with the reason next to it. The
 suite's import check (tests/test_layers.py) fails on a private use anywhere else.
 
-Checked on TensorFlow 2.21.0, Keras 3.15.1, CPython 3.11.7.
+Checked on TensorFlow 2.21.0, Keras 3.15.1, Ray 2.60.0, CPython 3.11.7.
 """
 
 from __future__ import annotations
@@ -240,3 +240,14 @@ def checkpoint_tensors_by_key(checkpoint) -> dict | None:
                 return None
             by_key[key] = tensor
     return by_key
+
+
+def ray_start_internals(ray) -> tuple:
+    """Ray: the three private parts a local instance's start replaces for the length of its own
+    ray.init (placements/ray/local_start.py, decision 37): `services` (its `get_node` is the node
+    query that Node's fixed 30-s loop asks), `RayParams` (its `update_pre_selected_port` is where
+    the agents' ports are filled in) and `ray_constants` (its `ENABLE_RAY_CLUSTER` off keeps
+    127.0.0.1 the node's address, so every server binds loopback). No public API sets how long a
+    start waits for its node or where a single-machine instance listens. Remove when Ray does."""
+    private = ray._private
+    return private.services, private.parameter.RayParams, private.ray_constants

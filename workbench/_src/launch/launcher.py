@@ -12,12 +12,14 @@ the same for every backend and every placement.
 
 from __future__ import annotations
 
+import contextlib
+
 from workbench._src.core.checkpoints import checkpoint_hint
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.run_loop import drive, new_run
 from workbench._src.core.run_options import options_from
 from workbench._src.launch import pool as pools
-from workbench._src.launch import shipping
+from workbench._src.launch import shipping, start_progress
 from workbench._src.launch.heal import Healing, preempted_member_name
 from workbench._src.launch.placement import Task
 from workbench._src.launch.watch import Watch, task_order
@@ -108,7 +110,10 @@ class Launcher:
         now), follows them to the end; returns task -> result. A run that ended cleanly leaves
         the pool warm for the next; anything else retires it (launch/pool.py)."""
         payload = shipping.dumps_for_workers(work)
-        pool, notes = pools.checkout(self.backend, self.plan)
+        # What a placement's start does (a Ray instance's head and node, its actors k/N) is said
+        # in the run while it does it (launch/start_progress.py): the cell, the sidebar, the CLI.
+        with _start_said_in(run):
+            pool, notes = pools.checkout(self.backend, self.plan)
         self.pool = pool
         for note in notes:
             if run is not None:
@@ -120,7 +125,8 @@ class Launcher:
             if not pool.fresh:
                 pool.send_work(payload, watch.number)
             elif not pool.started_in_background:  # (if it was, its processes' hellos are queued)
-                pool.start()
+                with _start_said_in(run):
+                    pool.start()
             pool.runs += 1
             self.last_processes = pool.processes
             if run is not None:
@@ -150,3 +156,11 @@ class Launcher:
     def shutdown(self) -> None:
         """Ends this plan's warm pool (an idle one now; a busy one when its run ends)."""
         pools.shutdown(self.plan.shape())
+
+
+def _start_said_in(run):
+    """A start's progress lines become the run's "message" events (without a run, they are kept
+    for the next run that listens)."""
+    if run is None:
+        return contextlib.nullcontext()
+    return start_progress.listening(lambda text: run.publish("message", text=text))

@@ -16,11 +16,13 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
 
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.launch.start_progress import say
 
 PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
 # The logical CPUs of a local Ray instance (address=None), at least: it stands for this machine,
@@ -130,6 +132,8 @@ class RayCluster:
         global _connected_to
         from workbench._src.core import exit as process_exit
 
+        if "ray" not in sys.modules:  # (seconds on a loaded machine: said first)
+            say("importing Ray, to start a local Ray instance" if self.address is None else "importing Ray")
         ray = import_ray()
         if ray.is_initialized():
             process_exit.run_first()  # (the pools stop before Ray's exit hooks end the actors)
@@ -160,21 +164,13 @@ class RayCluster:
                 include_dashboard=False if self.address is None else None,
                 configure_logging=True,
             )
-            for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
-                try:
-                    ray.init(**init)
-                    break
-                except Exception as error:
-                    if self.address is not None or not _timed_out_at_start(error):
-                        raise
-                    _end_failed_local_start(os.environ["RAY_TMPDIR"])
-                    if attempt == LOCAL_START_ATTEMPTS:
-                        raise ConfigurationError(
-                            f"The local Ray instance did not start: {LOCAL_START_ATTEMPTS} times its raylet "
-                            f"took longer than Ray's fixed 30 s to register ({error}). The machine is too "
-                            "busy for Ray to start. Fix: try again when it is less loaded, or start Ray "
-                            "yourself (`ray start --head`) and use RayCluster(address='auto')."
-                        ) from None
+            if self.address is None:
+                from workbench._src.placements.ray.local_start import start_local
+
+                start_local(ray, init, self.local_root)
+            else:
+                say(f"connecting to the Ray cluster at {self.address}")
+                ray.init(**init)
         except ConnectionError as error:
             raise ConfigurationError(
                 f"No Ray cluster answers at address={self.address!r}: {error}. Fix: start one "
@@ -217,33 +213,6 @@ class RayCluster:
             f"({', '.join(n['address'] for n in nodes)}), CPU {free.get('CPU', 0):g} free of "
             f"{total.get('CPU', 0):g}, GPU {free.get('GPU', 0):g} free of {total.get('GPU', 0):g}"
         )
-
-
-# How many times a local instance's start is tried when its raylet misses Ray's fixed 30 s to
-# register with its GCS (ray/_private/node.py, not configurable; a loaded machine misses it). It
-# bounds a failed start at about this many times 30 s; each failed try's processes are ended
-# first (found by the private root in their command lines). Raise it only with Ray's limit fixed.
-LOCAL_START_ATTEMPTS = 2
-
-
-def _timed_out_at_start(error: Exception) -> bool:
-    return "timed out during startup" in str(error)
-
-
-def _end_failed_local_start(root: str) -> None:
-    """Kills the processes a failed local start left (GCS, raylet, their helpers): ray.init had not
-    recorded them, so ray.shutdown() would not end them. Found by our private Ray root in their
-    command lines (its name holds our pid and a random part: no one else's process names it)."""
-    from workbench._src.placements.proc import pid_alive, pids_naming
-
-    left = pids_naming(root)
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(pid_alive(pid) for pid in left) and time.monotonic() < deadline:
-        time.sleep(0.05)  # (our children become zombies: not alive; Ray's subprocess objects reap them)
-    shutil.rmtree(os.path.join(root, "ray"), ignore_errors=True)
 
 
 # The longest socket path Ray makes under our root (the largest pid Linux gives, pid_max 2**22), and

@@ -36,6 +36,7 @@ from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.placements.local.processes import TMP_PREFIX
 from workbench._src.placements.ray.cluster import PLACEMENTS
 from workbench._src.placements.ray.link import RayLink, RayMember, RayMembers
+from workbench._src.placements.ray.local_start import actors_ready  # (says actors k/N)
 
 MEMBER_MODULE = "workbench._src.placements.ray.member"  # named, as worker_main is: it runs over there
 # How often the wait for a placement group asks again whether the cluster could ever hold it: a
@@ -83,7 +84,7 @@ class RayPlacement:
                     ).remote(role, index)
                 )
             try:
-                wheres = ray.get([a.where.remote() for a in actors], timeout=plan.startup_timeout)
+                wheres = actors_ready(ray, [a.where.remote() for a in actors], plan.startup_timeout)
             except ray.exceptions.GetTimeoutError:
                 raise WorkerError(
                     f"the {backend} pool's {len(actors)} Ray actors did not start within "
@@ -174,7 +175,7 @@ class RayPlacement:
         for member in self.group.children:
             if not member.dead and member.process_gone():
                 # (on this node a death is read from /proc at once, as for a local child; Ray's
-                # report of it reaches the member's poll a moment later)
+                # report of it reaches the member's stream a moment later)
                 member.dead, member.death = True, "its process is gone"
             if member.dead:
                 return f"{member.role} {member.index} ({member.where}) {member.exit_description()}"

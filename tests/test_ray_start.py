@@ -1,0 +1,200 @@
+"""The start of a local Ray instance (`RayCluster(address=None)`, `--cluster ray=local`): on
+loopback only, its token file its owner's, what it waits for said as it goes, and a failed start
+leaving nothing (issue 39). The start on a busy machine is measured by bench/bench_ray_start.py.
+
+Each Ray instance here belongs to a subprocess this test starts (a fresh interpreter, as a kernel):
+this test process never connects to Ray, and another user's Ray on the machine is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+# Starts a local instance and one actor, opens a control socket on all interfaces, prints every
+# listening socket of the instance's processes, then waits (stdin) while they are probed.
+LISTENERS_OF_A_LOCAL_INSTANCE = """
+import json, os, socket, sys
+import psutil
+import workbench as wb
+from workbench._src.placements.proc import pids_naming
+
+from workbench._src.launch import start_progress
+
+with start_progress.listening(lambda text: print("[workbench]", text, file=sys.stderr, flush=True)):
+    cluster = wb.RayCluster(address=None, placement="pack")
+    ray = cluster.connect()
+
+@ray.remote
+class Probe:
+    def pid(self):
+        return os.getpid()
+
+actor = Probe.remote()
+actor_pid = ray.get(actor.pid.remote())
+control = socket.socket()
+control.bind(("0.0.0.0", 0))  # reachable from the other host: the probe itself works
+control.listen()
+me = psutil.Process()
+pids = {me.pid, *(p.pid for p in me.children(recursive=True)), *pids_naming(cluster.local_root)}
+listeners = []
+for pid in sorted(pids):
+    try:
+        process = psutil.Process(pid)
+        for c in process.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port != control.getsockname()[1]:
+                listeners.append([pid, process.name(), c.laddr.ip, c.laddr.port])
+    except psutil.Error:
+        pass
+token = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+print(json.dumps({
+    "listeners": listeners, "actor_pid": actor_pid, "control_port": control.getsockname()[1],
+    "token_mode": stat.S_IMODE(os.stat(token).st_mode) if os.path.exists(token) else None,
+    "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+}), flush=True)
+while not os.path.exists(os.environ["PROBED"]):  # (the test probes the ports meanwhile)
+    time.sleep(0.2)
+""".replace("import json, os, socket, sys", "import json, os, socket, stat, sys, time")
+
+# From the other host: which of the ports answer at the first host's address.
+PROBE = """
+import json, socket, sys
+address, ports = sys.argv[1], json.loads(sys.argv[2])
+answered = []
+for port in ports:
+    with socket.socket() as s:
+        s.settimeout(5)
+        if s.connect_ex((address, port)) == 0:
+            answered.append(port)
+print(json.dumps(answered))
+"""
+
+
+@pytest.mark.slow
+def test_a_local_ray_instance_listens_on_loopback_only_and_its_token_file_is_the_owners(tmp_path):
+    """Every listener of the instance (GCS, raylet, object manager, agents, the driver's and an
+    actor's core worker) is bound to 127.0.0.1, and none answers from another host (a second
+    network namespace over a veth pair); a socket on all interfaces does. The token file Ray reads
+    (~/.ray/auth_token, here in a HOME of the test's own) is 0600, and token auth is on."""
+    from two_hosts import TwoHosts
+
+    hosts = TwoHosts()  # (skips where namespaces cannot be made: not root, no iproute2)
+    home = tmp_path / "home"
+    home.mkdir()
+    log = open(tmp_path / "instance.log", "w+")
+    instance = None
+    try:
+        probed = tmp_path / "probed"
+        env = {"PYTHONPATH": ROOT, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0", "PROBED": str(probed)}
+        instance = hosts.popen(0, [sys.executable, "-c", LISTENERS_OF_A_LOCAL_INSTANCE], env, log)
+        said = _first_json_line(log, instance, timeout=400)
+        listeners = said["listeners"]
+        names = {name for _, name, _, _ in listeners}
+        assert {"gcs_server", "raylet"} <= names and said["actor_pid"] in {p for p, *_ in listeners}, (
+            listeners
+        )
+        wide = [entry for entry in listeners if entry[2] not in ("127.0.0.1", "::ffff:127.0.0.1")]
+        assert wide == [], f"listeners beyond loopback: {wide}"
+        ports = sorted({port for *_, port in listeners}) + [said["control_port"]]
+        probe = hosts.popen(
+            1, [sys.executable, "-c", PROBE, hosts.addresses[0], json.dumps(ports)], {}, subprocess.PIPE
+        )
+        answered = json.loads(probe.communicate(timeout=120)[0].decode().strip().splitlines()[-1])
+        assert answered == [said["control_port"]], f"answered from the other host: {answered}"
+        assert said["token_mode"] == 0o600 and said["auth_mode"] == "token", said
+        probed.touch()
+        assert instance.wait(timeout=120) == 0, _tail(log)
+        assert not [p for p in os.listdir(hosts.tmp) if p.startswith("wbray-")]  # its Ray root went at exit
+    finally:
+        if instance is not None and instance.poll() is None:
+            instance.kill()  # (its Ray processes: by hosts.close(), which ends every pid of its namespaces)
+            instance.wait()
+        hosts.close()
+        log.close()
+
+
+def _tail(log) -> str:
+    log.seek(0)
+    return log.read()[-4000:]
+
+
+def _first_json_line(log, process, timeout: float) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log.seek(0)
+        for line in log.read().splitlines():
+            if line.startswith("{"):
+                return json.loads(line)
+        if process.poll() is not None:
+            break
+        time.sleep(0.5)
+    log.seek(0)
+    raise AssertionError(f"the instance said nothing (exit {process.poll()}):\n{log.read()[-4000:]}")
+
+
+def test_the_token_file_is_made_owner_only_and_a_wider_one_is_tightened(tmp_path, monkeypatch):
+    from workbench._src.placements.ray import local_start
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    local_start.owner_only_token()
+    path = tmp_path / ".ray" / "auth_token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text()) == 64
+    token = path.read_text()
+    path.chmod(0o644)  # as Ray writes it
+    local_start.owner_only_token()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token  # (kept)
+
+
+def test_what_a_start_says_with_nobody_listening_is_heard_by_the_next_listener():
+    """A pool started in the background (the magic, the panel) says its start before its run
+    exists: the run that listens next hears those lines first, then the live ones."""
+    from workbench._src.launch import start_progress
+
+    start_progress.say("starting the Ray head (GCS and raylet) on this machine")
+    heard = []
+    with start_progress.listening(heard.append):
+        start_progress.say("placing the Ray actors 1/2")
+    start_progress.say("after")  # (kept for the next)
+    assert heard == ["starting the Ray head (GCS and raylet) on this machine", "placing the Ray actors 1/2"]
+    with start_progress.listening(heard.append):
+        pass
+    assert heard[-1] == "after"
+
+
+@pytest.mark.slow
+def test_the_cli_says_what_a_ray_start_waits_for_in_order(tmp_path):
+    """`workbench run ... --cluster ray=local`: the run's "message" events say the start's phases,
+    and the CLI prints them as "[workbench]" lines, in the order they happen, before step 1."""
+    done = subprocess.run(
+        ["workbench", "run", os.path.join(ROOT, "examples", "train.py"),
+         "--backend", "multi-worker", "--workers", "2", "--cluster", "ray=local", "--steps", "3",
+         "--startup-timeout", "600"],  # (what is asserted is the order of what it says)
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("[workbench]", "step "))]
+    phases = [
+        "[workbench] importing Ray, to start a local Ray instance",
+        "[workbench] starting the Ray head (GCS and raylet) on this machine",
+        "[workbench] the Ray node is up",
+        "[workbench] placing the Ray actors 0/2",
+        "[workbench] placing the Ray actors 2/2",
+    ]
+    at = [next((i for i, line in enumerate(lines) if line.startswith(p)), None) for p in phases]
+    assert None not in at and at == sorted(at), "\n".join(lines)
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    assert at[-1] < first_step, "\n".join(lines)
