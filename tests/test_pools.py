@@ -180,6 +180,49 @@ def test_a_failed_run_retires_the_pool_and_the_next_run_says_so(placement):
     assert any("the last one was retired (the last run failed" in t for t in messages(third))
 
 
+def test_a_frozen_member_is_named_and_nothing_of_its_pool_is_left(placement):
+    """A frozen process (SIGSTOP) is alive to the kernel and to Ray: only its silence, with no
+    CPU time used, tells. The run fails naming it; its pool is retired, every process ends
+    (killed while stopped, the frozen one included) and each member's temp folder goes."""
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2, heartbeat_timeout=3))
+    run = repl.train(setup=regression_setup, steps=1_000_000, background=True)
+    wait_for(lambda: run.steps >= 20 or run.ended, 120, "the run to step")
+    folders = [str(member.tmp_dir) for member in repl.launcher.pool.group.children]
+    assert all(os.path.isdir(folder) for folder in folders), folders
+    victim = process_pid(run, "worker", 1)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with pytest.raises(wb.WorkerError, match=r"worker 1 \(.*stopped responding"):
+            run.wait(timeout=120)
+        wait_for(lambda: not any(alive(p) for p in pids(run)), 30, "the pool's processes to end")
+        wait_for(lambda: not any(os.path.exists(f) for f in folders), 15, "the members' temp folders to go")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)  # (only if the test failed before its end)
+    assert pools.live_pools() == []
+
+
+def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_starts_fresh(placement):
+    """An async-ps run goes on without a lost worker; a stop then ends it within 10 s (it once
+    hung: the coordinator's result queued behind TensorFlow's clear_session), and the next run
+    starts on a fresh pool, the last one not being whole."""
+    repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
+    run = repl.train(setup=regression_setup, steps=1_000_000, steps_per_execution=5, background=True)
+    wait_for(lambda: run.steps >= 50 or run.ended, 180, "the run to step")
+    first = pids(run)
+    os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
+    wait_for(lambda: any("worker 1" in t for t in messages(run)) or run.ended, 60, "the lost worker to be said")
+    steps = run.steps
+    wait_for(lambda: run.steps >= steps + 10 or run.ended, 120, "the run to go on without worker 1")
+    stopping = time.monotonic()
+    run.stop().wait(timeout=60)
+    assert run.status == "stopped" and time.monotonic() - stopping < 10, (run.status, run.stop_reason)
+    second = repl.train(setup=regression_setup, steps=10)
+    assert second.status == "finished" and not set(pids(second)) & set(first)
+    repl.shutdown()
+    wait_for(lambda: not any(alive(p) for p in pids(second)), 30, "the pool's processes to end")
+
+
 def test_a_pool_that_outgrew_its_memory_limit_is_renewed_and_the_next_run_says_why(monkeypatch):
     """TensorFlow keeps every run's traced graphs (tensorflow#124972), so a warm process grows a
     few MiB a run: past MEMORY_GROWTH_LIMIT over its first run's size, the pool is renewed."""

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PROCESS_CELL
+from helpers import PROCESS_CELL, wait_for
 from two_hosts import RayNodes, TwoHosts
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
@@ -45,7 +45,8 @@ print("RESULT " + json.dumps(out), flush=True)
 run = repl.train_cell(cell, {}, steps=1_000_000, background=True)
 while run.steps < 20 and run.running:
     time.sleep(0.05)
-print("TRAINING " + json.dumps({"processes": run.processes}), flush=True)
+folders = [member.tmp_dir for member in repl.launcher.pool.group.children]
+print("TRAINING " + json.dumps({"processes": run.processes, "folders": folders}), flush=True)
 sys.stdin.readline()  # the test has cut the link
 cut = time.monotonic()
 try:
@@ -54,6 +55,19 @@ try:
 except wb.WorkerError as e:
     error = str(e)
 print("CUT " + json.dumps({"error": error, "seconds": time.monotonic() - cut, "status": run.status}), flush=True)
+stopping = time.monotonic()
+run.stop()
+run.wait(timeout=60) if run.status == "running" else None
+stopped = time.monotonic() - stopping
+
+# The next run on the same replicator: one node is left, and "spread" needs two.
+started = time.monotonic()
+try:
+    next_run = repl.train_cell(cell, {}, steps=5)
+    error = None
+except Exception as e:
+    next_run, error = None, f"{type(e).__name__}: {e}"
+print("NEXT " + json.dumps({"error": error, "seconds": time.monotonic() - started, "stop_seconds": stopped}), flush=True)
 """
 
 
@@ -98,7 +112,7 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
                 if not line:
                     break
                 kind, _, data = line.partition(" ")
-                if kind in ("RESULT", "TRAINING", "CUT"):
+                if kind in ("RESULT", "TRAINING", "CUT", "NEXT"):
                     lines[kind] = json.loads(data)
                     if kind == tag:
                         return lines[kind]
@@ -122,6 +136,20 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
         assert cut["error"] and "multi-worker run failed" in cut["error"], cut
         assert "worker" in cut["error"] and ("node 10." in cut["error"]), cut["error"]
         assert cut["seconds"] < 30, cut
+        # The lost worker and its node are named, not the healthy worker, and with no raw
+        # TensorFlow traceback (its "Connection reset by peer" is at most a witness's summary).
+        lost = next(p for p in training["processes"] if p["node"] == hosts.addresses[1])
+        assert f"worker {lost['index']}" in cut["error"] and hosts.addresses[1] in cut["error"], cut["error"]
+        assert "Traceback" not in cut["error"] and "its traceback" not in cut["error"], cut["error"]
+
+        # After the fault, a stop returns at once, and the next run says plainly that the cluster's
+        # live nodes cannot hold it (once Ray's health check has declared the node dead), rather
+        # than waiting startup_timeout and blaming other jobs.
+        after = read_until("NEXT", 200)
+        assert after["stop_seconds"] < 10, after
+        assert after["error"] and "cannot place" in after["error"], after
+        assert "live nodes could not hold them" in after["error"] and "other jobs" not in after["error"], after
+        assert after["seconds"] < 30, after
         assert driver.wait(timeout=60) == 0, (tmp_path / "driver.err").read_text()[-3000:]
 
         # Nothing of the run is left on either node: its actors end (on the far node once its
@@ -132,6 +160,10 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
             time.sleep(0.5)
         left = [pid for pid in actors if _pid_in(hosts, pid)]
         assert not left, f"actors of the run still alive: {left}"
+        # ... and their temp folders (AutoGraph's files) go with them, the cut node's included.
+        wait_for(lambda: not any(os.path.exists(f) for f in training["folders"]), 10, "the temp folders to go")
+        left_folders = [f for f in os.listdir(hosts.tmp) if f.startswith("workbench-tmp-")]
+        assert left_folders == [], left_folders
     finally:
         if driver.poll() is None:
             driver.kill()

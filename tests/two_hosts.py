@@ -111,6 +111,12 @@ class RayNodes:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": secrets.token_hex(16),
             "RAY_USAGE_STATS_ENABLED": "0",
+            # Ray's node health check, as the README advises for a cluster the workbench runs on
+            # (GCS side): a node cut off is declared dead within ~10 s, not ~a minute, so the
+            # next run on the same replicator is told at once that the cluster cannot hold it.
+            "RAY_health_check_period_ms": "1000",
+            "RAY_health_check_timeout_ms": "1000",
+            "RAY_health_check_failure_threshold": "5",
         }
         # Ray's files of its own (not the machine's /tmp/ray, which other clusters may use); short,
         # as its Unix socket paths must stay under 108 bytes.

@@ -251,7 +251,9 @@ class CoordinatorExecutor:
             if name not in self.unreachable and self.run is not None:
                 self.unreachable.add(name)  # (once per worker: TensorFlow keeps retrying it)
                 self.run.publish(
-                    "message", text=f"{name} is unreachable: its steps run again on the other workers"
+                    "message",
+                    text=f"{name} is unreachable: its steps run again on the other workers",
+                    worker_unreachable=int(name.split()[-1]),  # (the launcher retires its pool after the run)
                 )
             return None
         raise _translated_input_error(error) from None

@@ -57,6 +57,7 @@ class Pool:
         self.keep = keep  # False: one pool per run (pool=False)
         self.idle_timeout = plan.idle_timeout
         self.extra: list[dict] = []  # processes a member started itself (async-ps servers)
+        self.lost = ""  # a member a run found unreachable (a node cut off before Ray says so)
         self.runs = 0  # runs started on this pool
         self.state = "busy"  # busy | idle | retiring | retired
         self.idle_since: float | None = None
@@ -92,7 +93,7 @@ class Pool:
         return self.placement.processes(self.extra)
 
     def dead_member(self) -> str:
-        return self.placement.dead_member(self.extra)
+        return self.placement.dead_member(self.extra) or self.lost
 
     def send_work(self, payload: bytes, number: int) -> None:
         """Hands the next run's work to every (already connected) member of a warm pool."""

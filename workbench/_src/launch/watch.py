@@ -47,6 +47,11 @@ EXIT_STATUS_WAIT = 0.3
 # TensorFlow's errors for a collective whose peer is gone (host down, link cut), when no process
 # of ours was seen to die: a member lost, not a mistake in the run's code.
 _PEER_LOST_ERRORS = ("UnavailableError", "AbortedError", "DeadlineExceededError")
+# After such an error, how many heartbeat periods of silence the watch waits for before it names
+# a peer as lost: a peer on another node (a raylet killed, a link cut) falls silent at once, but
+# its silence shows only after PEER_SILENCE. The wait ends early when a peer is reported dead or
+# falls silent; it bounds how long a collective failure with every peer alive takes to be said.
+PEER_LOST_WAIT = 3 * PEER_SILENCE
 
 
 class Watch:
@@ -138,6 +143,8 @@ class Watch:
 
     def _relay(self, task: str, message: dict) -> None:
         run, event_kind, data = self.run, message["kind"], message["data"]
+        if data.get("worker_unreachable") is not None:  # the pool is not whole any more
+            self.pool.lost = self.pool.lost or f"worker {data['worker_unreachable']} (unreachable)"
         if run is None:
             return
         if event_kind == "breakdown":  # every worker's own: one row each in run.breakdown()
@@ -273,6 +280,8 @@ class Watch:
         self._child(task).expected_exit = True  # it exits after reporting
         errors = {task: message, **self._drain_errors(WITNESS_WINDOW)}
         self._check()  # a worker that died without reporting is the culprit
+        if message.get("summary", "").startswith(_PEER_LOST_ERRORS):
+            self._await_lost_peer(errors)
         unhealthy = _unhealthy_task(message.get("summary", ""))
         if unhealthy in self.tasks and unhealthy != task and unhealthy not in errors:
             # TensorFlow's coordination service saw the peer's heartbeats stop before ours did
@@ -296,6 +305,19 @@ class Watch:
                     cause=f"no heartbeat for {silent:.0f} s",
                 )
         self._report_errors(errors)
+
+    def _await_lost_peer(self, errors: dict) -> None:
+        """A collective failed because a peer went away: the peer (its actor's death, Ray's
+        report; its silence) is named rather than the member that saw the connection reset.
+        Waits up to PEER_LOST_WAIT for a peer to be reported dead (`_check` raises) or silent."""
+        deadline = time.monotonic() + PEER_LOST_WAIT
+        while time.monotonic() < deadline:
+            errors.update(self._drain_errors(0.1))
+            self._check()
+            now = time.monotonic()
+            peers = [t for t in self.tasks if t not in errors and t not in self.results]
+            if not peers or any(now - self.heard.get(t, now) > PEER_SILENCE for t in peers):
+                return  # (a silent peer is named by the caller, with how long it was silent)
 
     def _drain_errors(self, seconds: float) -> dict:
         """Reads the channel for `seconds`; returns the error reports (task -> message)."""

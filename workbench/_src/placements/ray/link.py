@@ -1,0 +1,222 @@
+"""The launcher's side of a Ray pool: its actors as members (`RayMember`, `RayMembers`) and the
+link to them (`RayLink`), on Ray's own primitives (placements/ray/member.py is the other end).
+
+  - What a member says comes on its streaming generator (`Member.messages`, an ObjectRefGenerator
+    here); what a TF server member does is one pending call (`Member.serve_tf`). One thread here
+    waits on all of them at once with `ray.wait` and queues each message as (task, message),
+    as the local placement's channel does.
+  - A dead actor is known from Ray's own error on its next item or its pending call
+    (ActorDiedError with the node's death, ActorUnavailableError): no missed poll decides it.
+  - What the launcher says (work, stop, shutdown) goes by actor calls (`Member.deliver`), each
+    waited for: calls to a threaded actor may run out of order, and a member's messages must not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+
+from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_start_ticks
+
+# How long one ray.wait waits for any member to say something: it bounds how late the link sees
+# that it was closed, nothing else (a message ends the wait at once).
+WAIT_SECONDS = 0.5
+# How long a message to members is waited for: a dead member answers at once (Ray's error), a
+# frozen or cut-off one never, and it must not hold the launcher longer than this.
+SEND_TIMEOUT = 5.0
+
+
+class RayMember:
+    """One actor of the pool, as the launcher sees a local child."""
+
+    def __init__(self, role: str, index: int, actor, where: dict, on_this_node: bool, may_die: bool = False):
+        self.role, self.index, self.actor = role, index, actor
+        self.pid, self.node, self.port = where["pid"], where["address"], where["port"]
+        self.node_id, self.tmp_dir = where["node_id"], where["tmp_dir"]
+        self.on_this_node = on_this_node  # the launcher's own Ray node
+        # Its CPU time is readable here when it runs on this process's node and this /proc shows
+        # it (the same pid started at the same moment: not a namespace's or a reused pid).
+        started = where.get("started")
+        self._started = started
+        self._cpu_readable = on_this_node and started is not None and started == process_start_ticks(self.pid)
+        self.may_die = may_die  # an async-ps worker server: the run goes on without it
+        self.expected_exit = False
+        self.dead = False
+        self.death = ""
+        self.exited = False  # it left its serve loop (shutdown)
+
+    @property
+    def task(self) -> str:
+        return f"{self.role}:{self.index}"
+
+    @property
+    def where(self) -> str:
+        return f"pid {self.pid} on node {self.node}"
+
+    @property
+    def killed(self) -> bool:
+        return self.dead
+
+    def exit_description(self) -> str:
+        if not self.dead:
+            return "still running"
+        return f"died: its Ray actor ended ({self.death})" if self.death else "died: its Ray actor ended"
+
+    def log_tail(self, lines: int = 15) -> str:
+        return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
+
+    def process_gone(self) -> bool:
+        """Its process has ended, as this node's /proc shows (False where it cannot be read)."""
+        if not self._cpu_readable:
+            return False
+        return not pid_alive(self.pid) or process_start_ticks(self.pid) != self._started
+
+    def cpu_seconds(self) -> float | None:
+        """Its CPU time, where it can be read (the launcher tells a busy member from a frozen
+        one by it, as for a local child); None on another node: only its heartbeats tell."""
+        return process_cpu_seconds(self.pid) if self._cpu_readable else None
+
+
+class RayMembers:
+    """The pool's actors, with the process group's questions (launch/watch.py asks them)."""
+
+    def __init__(self, members: list[RayMember]):
+        self.children = members
+
+    def unexpected_exits(self) -> list[RayMember]:
+        return [m for m in self.children if m.dead and not m.expected_exit and not m.may_die]
+
+
+class RayLink:
+    """Messages to and from the members by Ray's calls, object refs and streaming generators,
+    queued as the local channel queues them (a `Link`)."""
+
+    def __init__(self, ray, members: RayMembers, working: set[str], report_to: str):
+        self.ray = ray
+        self.members = {m.task: m for m in members.children}
+        self.working = working  # the members that run work (a TF server member takes no messages)
+        self.messages: queue.Queue = queue.Queue()  # (task, message dict)
+        self.report_to = report_to  # the task whose run hears of a lost async-ps worker
+        self._watched: dict = {}  # ObjectRefGenerator or ObjectRef -> task
+        self._lock = threading.Lock()
+        self._closed = False
+        self._reader: threading.Thread | None = None
+
+    def watch(self, task: str, waitable) -> None:
+        """Follows a member's stream (working members) or pending serve call (TF servers)."""
+        with self._lock:
+            self._watched[waitable] = task
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_loop, name="workbench ray link", daemon=True)
+            self._reader.start()
+
+    def _read_loop(self) -> None:
+        ray = self.ray
+        while not self._closed:
+            with self._lock:
+                watched = list(self._watched)
+            if not watched:  # (before start(), and after every member has left)
+                time.sleep(WAIT_SECONDS)
+                continue
+            try:
+                ready, _ = ray.wait(watched, num_returns=1, timeout=WAIT_SECONDS)
+            # SystemExit: ray.shutdown() under a waiting call (Ray raises it in this thread); the
+            # members went with the connection.
+            except (Exception, SystemExit) as error:  # noqa: BLE001
+                for waitable in watched:
+                    self._lost(waitable, error)
+                return
+            for waitable in ready:
+                self._take(waitable)
+
+    def _take(self, waitable) -> None:
+        ray, task = self.ray, self._watched.get(waitable)
+        if task is None:
+            return
+        try:
+            if isinstance(waitable, ray.ObjectRefGenerator):
+                said = ray.get(next(waitable))
+            else:
+                said = [ray.get(waitable)]  # a serve call that returned: told to leave
+        except StopIteration:  # the member's stream ended: it left
+            self._forget(waitable)
+            self.members[task].exited = True
+            return
+        except (Exception, SystemExit) as error:  # noqa: BLE001 - Ray's error: the actor is gone
+            self._lost(waitable, error)
+            return
+        if not isinstance(waitable, ray.ObjectRefGenerator):
+            self._forget(waitable)
+            self.members[task].exited = True
+            return
+        for message in said:
+            if message.get("type") == "exited":
+                self.members[task].exited = True
+            else:
+                self.messages.put((task, message))
+
+    def _forget(self, waitable) -> None:
+        with self._lock:
+            self._watched.pop(waitable, None)
+
+    def _lost(self, waitable, error: BaseException) -> None:
+        """Ray said the member's actor is gone (or this process's connection is)."""
+        task = self._watched.get(waitable)
+        self._forget(waitable)
+        member = self.members.get(task)
+        if member is None or self._closed or member.exited:
+            return
+        member.dead, member.death = True, death_reason(error)
+        if member.may_die:
+            text = (
+                f"async-ps worker {member.index} ({member.where}) {member.exit_description()}; "
+                "the coordinator runs its unfinished steps on the other workers"
+            )
+            event = {"type": "event", "kind": "message", "data": {"text": text, "worker_lost": member.index}}
+            self.messages.put((self.report_to, event))
+        else:
+            self.messages.put((task, {"type": "disconnected"}))
+
+    def send(self, task: str, message: dict, timeout: float = SEND_TIMEOUT) -> bool:
+        member = self.members.get(task)
+        if member is None or member.dead or not self.ray.is_initialized():
+            return False
+        try:  # waited for: messages to one member arrive in the order sent
+            self.ray.get(member.actor.deliver.remote(message), timeout=timeout)
+            return True
+        except Exception:  # noqa: BLE001 - a dead or frozen member; its stream says so
+            return False
+
+    def broadcast(self, message: dict, timeout: float = SEND_TIMEOUT) -> None:
+        """Sends to every working member at once; waits up to `timeout` for all of them."""
+        self.tell([t for t in self.working], message, timeout)
+
+    def tell(self, tasks: list[str], message: dict, timeout: float) -> None:
+        """Sends `message` to `tasks` at once and waits up to `timeout` for them all."""
+        if not self.ray.is_initialized():
+            return
+        calls = []
+        for task in tasks:
+            member = self.members.get(task)
+            if member is not None and not member.dead:
+                with contextlib.suppress(Exception):
+                    calls.append(member.actor.deliver.remote(message))
+        if calls:
+            with contextlib.suppress(Exception):
+                self.ray.wait(calls, num_returns=len(calls), timeout=timeout)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def death_reason(error: BaseException) -> str:
+    """A short reason from Ray's error: the node's death when Ray names it, else its first line."""
+    if isinstance(error, SystemExit):
+        return "this process's Ray connection was shut down (ray.shutdown())"
+    text = str(error)
+    if "node" in text.lower() and "died" in text.lower():
+        return "its node died (Ray's node health check)"
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return (lines[0] if lines else type(error).__name__)[:200]
