@@ -14,14 +14,10 @@ process is ended by the pids of the two namespaces (never `ray stop`).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import PROCESS_CELL
-from two_hosts import RayNodes, TwoHosts
+from two_hosts import RayNodes, TwoHosts, start_driver
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -76,19 +72,7 @@ def two_nodes(tmp_path):
 
 def test_a_node_lost_mid_run_heals_on_one_worker_and_finishes_as_one_device(two_nodes, tmp_path):
     hosts, nodes = two_nodes
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    cell = PROCESS_CELL.replace("keras.layers.Dense(1)", "keras.layers.Dense(1, kernel_initializer='zeros')")
-    log = open(tmp_path / "driver.err", "w")
-    driver = subprocess.Popen(
-        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(script), cell, nodes.head],
-        env={**os.environ, **nodes.env, "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=tmp_path,
-    )
+    driver, log = start_driver(hosts, nodes, tmp_path, DRIVER)
 
     def read_until(tag: str, timeout: float) -> dict:
         deadline = time.monotonic() + timeout

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import PROCESS_CELL, wait_for
-from two_hosts import RayNodes, TwoHosts
+from helpers import wait_for
+from two_hosts import RayNodes, TwoHosts, start_driver
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -89,19 +87,7 @@ def _pid_in(hosts: TwoHosts, pid: int) -> bool:
 
 def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_link(two_nodes, tmp_path):
     hosts, nodes = two_nodes
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER)
-    cell = PROCESS_CELL.replace("keras.layers.Dense(1)", "keras.layers.Dense(1, kernel_initializer='zeros')")
-    log = open(tmp_path / "driver.err", "w")
-    driver = subprocess.Popen(
-        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(script), cell, nodes.head],
-        env={**os.environ, **nodes.env, "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=tmp_path,
-    )
+    driver, log = start_driver(hosts, nodes, tmp_path, DRIVER)
     try:
         lines = {}
 
@@ -148,7 +134,9 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
         after = read_until("NEXT", 200)
         assert after["stop_seconds"] < 10, after
         assert after["error"] and "cannot place" in after["error"], after
-        assert "live nodes could not hold them" in after["error"] and "other jobs" not in after["error"], after
+        assert "live nodes could not hold them" in after["error"] and "other jobs" not in after["error"], (
+            after
+        )
         assert after["seconds"] < 30, after
         assert driver.wait(timeout=60) == 0, (tmp_path / "driver.err").read_text()[-3000:]
 
@@ -161,7 +149,9 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
         left = [pid for pid in actors if _pid_in(hosts, pid)]
         assert not left, f"actors of the run still alive: {left}"
         # ... and their temp folders (AutoGraph's files) go with them, the cut node's included.
-        wait_for(lambda: not any(os.path.exists(f) for f in training["folders"]), 10, "the temp folders to go")
+        wait_for(
+            lambda: not any(os.path.exists(f) for f in training["folders"]), 10, "the temp folders to go"
+        )
         left_folders = [f for f in os.listdir(hosts.tmp) if f.startswith("workbench-tmp-")]
         assert left_folders == [], left_folders
     finally:

@@ -164,3 +164,26 @@ class RayNodes:
     def close(self) -> None:
         for folder in self.temp_dirs:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def start_driver(hosts: TwoHosts, nodes: RayNodes, tmp_path: Path, source: str):
+    """Runs the driver script `source` on the first host, as `python driver.py CELL HEAD`: CELL is
+    helpers.PROCESS_CELL with its output layer zero-initialised (so a run equals one device's),
+    HEAD the Ray head's address. Its stdin and stdout are pipes (text) for the test to talk
+    over; its stderr goes to tmp_path/driver.err. Returns (the Popen, that log file)."""
+    from helpers import PROCESS_CELL
+
+    script = tmp_path / "driver.py"
+    script.write_text(source)
+    cell = PROCESS_CELL.replace("keras.layers.Dense(1)", "keras.layers.Dense(1, kernel_initializer='zeros')")
+    log = open(tmp_path / "driver.err", "w")
+    driver = subprocess.Popen(
+        ["ip", "netns", "exec", hosts.names[0], sys.executable, str(script), cell, nodes.head],
+        env={**os.environ, **nodes.env, "WORKBENCH_RUNS_DIR": str(tmp_path / "runs")},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=tmp_path,
+    )
+    return driver, log
