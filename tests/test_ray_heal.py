@@ -17,7 +17,7 @@ import json
 import time
 
 import pytest
-from two_hosts import RayNodes, TwoHosts, start_driver
+from two_hosts import ray_on_two_hosts, start_driver
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -60,14 +60,8 @@ print("RESULT " + json.dumps(out, default=str), flush=True)
 
 @pytest.fixture
 def two_nodes(tmp_path):
-    hosts = TwoHosts()
-    nodes = RayNodes(hosts)
-    try:
-        nodes.start(tmp_path)
+    with ray_on_two_hosts(tmp_path) as (hosts, nodes):
         yield hosts, nodes
-    finally:
-        hosts.close()  # every process of both namespaces, by pid: Ray's daemons and actors
-        nodes.close()
 
 
 def test_a_node_lost_mid_run_heals_on_one_worker_and_finishes_as_one_device(two_nodes, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_for
-from two_hosts import RayNodes, TwoHosts, start_driver
+from two_hosts import TwoHosts, ray_on_two_hosts, start_driver
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -71,14 +71,8 @@ print("NEXT " + json.dumps({"error": error, "seconds": time.monotonic() - starte
 
 @pytest.fixture
 def two_nodes(tmp_path):
-    hosts = TwoHosts()
-    nodes = RayNodes(hosts)
-    try:
-        nodes.start(tmp_path)
+    with ray_on_two_hosts(tmp_path) as (hosts, nodes):
         yield hosts, nodes
-    finally:
-        hosts.close()  # every process of both namespaces, by pid: Ray's daemons and actors
-        nodes.close()  # (also after a failed start: Ray's 30-s limit for a node, under load, left two)
 
 
 def _pid_in(hosts: TwoHosts, pid: int) -> bool:

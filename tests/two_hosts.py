@@ -9,6 +9,7 @@ Ray node on each (test_ray_two_nodes.py, test_breakdown.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -164,6 +165,21 @@ class RayNodes:
     def close(self) -> None:
         for folder in self.temp_dirs:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def ray_on_two_hosts(log_dir: Path):
+    """Two network-namespace hosts with a Ray node on each (the head on the first): yields
+    (hosts, nodes); ends every process of both namespaces by pid, then the nodes' folders, also
+    after a failed start (Ray's 30-s limit for a node, under load, once left two)."""
+    hosts = TwoHosts()
+    nodes = RayNodes(hosts)
+    try:
+        nodes.start(log_dir)
+        yield hosts, nodes
+    finally:
+        hosts.close()  # every process of both namespaces, by pid: Ray's daemons and actors
+        nodes.close()
 
 
 def start_driver(hosts: TwoHosts, nodes: RayNodes, tmp_path: Path, source: str):
