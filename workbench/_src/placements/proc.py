@@ -25,6 +25,29 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: 14, 15
 
 
+def process_cpu_wait(pid: int) -> tuple[float, bool] | None:
+    """How `pid` waits for a CPU: (seconds its threads have waited, runnable, on a run queue: the
+    run-queue delay of /proc/PID/task/*/schedstat, summed; whether a thread is runnable now: state
+    R). Both say a busy machine starves it, neither grows while it is stopped or asleep; the delay
+    is added only once a thread gets the CPU, so a process that gets none shows by its state.
+    None: gone, or not shown by this kernel."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total, runnable, read = 0, False, False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])  # on the CPU, waiting to run (ns), timeslices
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                runnable |= f.read().rsplit(")", 1)[1].split()[0] == "R"
+            read = True
+        except (OSError, IndexError, ValueError):  # a thread ended meanwhile
+            continue
+    return (total / 1e9, runnable) if read else None
+
+
 def process_start_ticks(pid: int) -> int | None:
     """When `pid` started, in clock ticks since boot (None: gone). With the pid it names one
     process for good: a pid reused later has another start time."""

@@ -42,7 +42,7 @@ from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
 from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
-from workbench._src.placements.proc import owned_folder, process_cpu_seconds
+from workbench._src.placements.proc import owned_folder, process_cpu_seconds, process_cpu_wait
 
 LOOPBACK = "127.0.0.1"
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
@@ -106,6 +106,10 @@ class Child:
     def cpu_seconds(self) -> float | None:
         """The CPU time the process has used (all its threads), or None when it is gone."""
         return process_cpu_seconds(self.pid)
+
+    def cpu_wait(self) -> tuple[float, bool] | None:
+        """How its threads wait for a CPU (proc.process_cpu_wait), or None when it is gone."""
+        return process_cpu_wait(self.pid)
 
     def exit_description(self) -> str:
         code = self.popen.returncode

@@ -18,7 +18,12 @@ import queue
 import threading
 import time
 
-from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_start_ticks
+from workbench._src.placements.proc import (
+    pid_alive,
+    process_cpu_seconds,
+    process_cpu_wait,
+    process_start_ticks,
+)
 
 # How long one ray.wait waits for any member to say something: it bounds how late the link sees
 # that it was closed, nothing else (a message ends the wait at once).
@@ -77,6 +82,10 @@ class RayMember:
         """Its CPU time, where it can be read (the launcher tells a busy member from a frozen
         one by it, as for a local child); None on another node: only its heartbeats tell."""
         return process_cpu_seconds(self.pid) if self._cpu_readable else None
+
+    def cpu_wait(self) -> tuple[float, bool] | None:
+        """How its threads wait for a CPU, where it can be read (this node)."""
+        return process_cpu_wait(self.pid) if self._cpu_readable else None
 
 
 class RayMembers:
