@@ -129,6 +129,14 @@ class RayLink:
             if not watched:  # (before start(), and after every member has left)
                 time.sleep(WAIT_SECONDS)
                 continue
+            if not ray.is_initialized():
+                # ray.shutdown() (the user's, a test's, the exit's) ended the members with the
+                # connection. No Ray call may follow: with auto-connect on (Ray imported before
+                # the workbench), one would start a new instance, and a wait on the old streams
+                # then fails a check in Ray's C++ core, which aborts this whole process.
+                for waitable in watched:
+                    self._lost(waitable, SystemExit("Ray was shut down"))
+                return
             try:
                 ready, _ = ray.wait(watched, num_returns=1, timeout=WAIT_SECONDS)
             # SystemExit: ray.shutdown() under a waiting call (Ray raises it in this thread); the
@@ -217,7 +225,11 @@ class RayLink:
                 self.ray.wait(calls, num_returns=len(calls), timeout=timeout)
 
     def close(self) -> None:
+        """Stops reading; returns once the reader is out of Ray (a ray.shutdown() may follow)."""
         self._closed = True
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=4 * WAIT_SECONDS)
 
 
 def death_reason(error: BaseException) -> str:
