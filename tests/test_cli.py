@@ -35,6 +35,9 @@ def test_workbench_demo_prints_a_summary_and_writes_the_plot_quietly(tmp_path):
     assert not TF_NOISE.search(out.stderr), "workbench demo printed TensorFlow noise:\n" + out.stderr[-3000:]
     assert "backend        : mirrored, 2 replicas, global batch 128" in out.stdout
     assert "steps          : 120 in" in out.stdout
+    # What it does while it trains: the run's progress lines, the last one its final figures.
+    assert re.search(r"^\[workbench\] compiling step_fn", out.stdout, re.M), out.stdout
+    assert re.search(r"^step 120/120 .*examples/s", out.stdout, re.M), out.stdout
     accuracy = float(out.stdout.split("test accuracy  : ")[1].split()[0])
     assert accuracy > 0.8  # 120 Adam steps on digits learn something real
     # One definition of each figure; the median is labelled as such.

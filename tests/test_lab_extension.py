@@ -1124,11 +1124,14 @@ def _said_before_step_one(seen: list[dict], name: str) -> list[str]:
 def _sample_live_views(page, cell: int, count: int) -> list[dict]:
     """`count` instants of the live views (each read in one evaluate: one instant), 0.7 s apart,
     from the first one where the header, the sidebar and the figure show a snapshot, the figure
-    past its first steps (its first drawings build it: fonts, axes, a panel per metric)."""
+    past its first 2,000 steps: its first drawings build it (fonts, axes, a panel per metric),
+    and while a run's step count grows by half at every snapshot its axes grow at most of them
+    (each a full drawing, 4-5 times a blitted frame's CPU, which a load of 15-20 on two cores
+    stretches to a second)."""
     samples, deadline = [], time.monotonic() + 300
     while len(samples) < count and time.monotonic() < deadline:
         seen = page.evaluate(LIVE_VIEWS_JS, cell)
-        drawn = (seen["plot_step"] or 0) >= 200 or samples
+        drawn = (seen["plot_step"] or 0) >= 2000 or samples
         if seen["header_seq"] and seen["card_seq"] and seen["bar_step"] is not None and drawn:
             samples.append(seen)
         page.wait_for_timeout(700)
@@ -1152,7 +1155,7 @@ def _snapshot_steps(page, cell: int) -> dict[int, int]:
     return {int(k): v for k, v in json.loads(text[text.index("SNAPSHOTS") + len("SNAPSHOTS") :]).items()}
 
 
-def _views_agree(samples: list[dict], steps: dict[int, int], name: str, figure_lag: int = 1) -> list[str]:
+def _views_agree(samples: list[dict], steps: dict[int, int], name: str) -> list[str]:
     """Each instant: the header, the sidebar card and the status bar show snapshots at most one
     apart, each view the steps of the snapshot it says; the progress bar the header's snapshot or
     a neighbour of it; the figure never ahead of the header. Returns lines for the report."""
@@ -1179,13 +1182,11 @@ def _views_agree(samples: list[dict], steps: dict[int, int], name: str, figure_l
             f"figure {s['plot_seq']}; steps header {s['header_step']} bar {s['bar_step']} card "
             f"{s['card_step']} figure {s['plot_step']}"
         )
-    # The figure draws the latest snapshot, blitted, on its own thread: level with the header
-    # or one snapshot behind at most instants (at a load of 15-25: once 3 behind, for ~1.5 s,
-    # while an async-ps figure was still growing its axes); it moves on with the run.
-    # An async-ps run's figure trails by 2-3 snapshots (1-1.5 s): its coordinator's Python
-    # holds the GIL that the figure's drawing needs (open: issue 41's "one refresh").
+    # The figure draws the latest snapshot, blitted, on its own thread, within a CPU budget
+    # over a window (plots/live_frame.DrawingBudget): level with the header or one snapshot
+    # behind at most instants, for a foreground and an async-ps run alike; it moves on with the run.
     lags = sorted(s["header_seq"] - s["plot_seq"] for s in samples if s["plot_seq"] is not None)
-    assert lags and lags[len(lags) // 2] <= figure_lag, (name, lags)
+    assert lags and lags[len(lags) // 2] <= 1, (name, lags)
     plotted = [s["plot_seq"] for s in samples if s["plot_seq"] is not None]
     assert plotted[-1] > plotted[0], (name, plotted)
     lines.append(f"{name}: figure behind the header by {lags} snapshots")
@@ -1299,7 +1300,7 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     tab = page.locator("li[data-id='replicator-workbench-sidebar']").bounding_box()
                     title = sidebar.locator(".wb-title").bounding_box()
                     assert title["x"] + title["width"] <= tab["x"], "the sidebar's heading runs under its tab"
-                    report += _views_agree(samples, _snapshot_steps(page, 4), "async-ps", figure_lag=3)
+                    report += _views_agree(samples, _snapshot_steps(page, 4), "async-ps")
                     running.locator(".wb-stop").click()
                     expect(running).to_have_count(0)
 
