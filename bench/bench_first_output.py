@@ -133,6 +133,11 @@ def time_cell() -> list[tuple[str, dict]]:
 
 def _figures(chunks: list[tuple[float, str]], total: float, returncode) -> dict:
     first = chunks[0] if chunks else (None, "")
+    shown, text = [], ""
+    for at, chunk in chunks:  # (each silence follows the last line shown: a chunk may be a bare newline)
+        text = _line(chunk) or text
+        shown.append((at, text))
+    chunks = shown
     gaps = [(b[0] - a[0], a[1]) for a, b in zip(chunks, chunks[1:])]
     if chunks:
         gaps.append((total - chunks[-1][0], chunks[-1][1]))
