@@ -920,6 +920,8 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     expect(renamed.locator(".wb-stored-details")).to_contain_text("#best #lr-sweep")
                     sidebar.locator(".wb-filter-text").fill("lr-sweep")
                     expect(rows).to_have_count(1)
+                    sidebar.locator(".wb-filter-text").fill("#best")  # the tag as the row shows it
+                    expect(rows).to_have_count(1)
                     sidebar.locator(".wb-filter-text").fill("")
                     page.screenshot(path=str(SCREENSHOTS / "identity-renamed-tagged.png"))
 
@@ -949,6 +951,9 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                         expect(picked).to_have_count(left)
                     renamed.locator(".wb-pick-run").check()
                     sidebar.locator(".wb-delete").click()
+                    # The dialog names the run it deletes (and only it).
+                    expect(page.locator(".jp-Dialog-body")).to_contain_text("\u2022 from b")
+                    assert page.locator(".jp-Dialog-body").inner_text().count("\u2022") == 1
                     page.locator(".jp-Dialog .jp-mod-warn").click()
                     expect(rows).to_have_count(2)
                     sidebar.locator(".wb-tab-kernel").click()

@@ -72,7 +72,7 @@ class Dashboard(DashboardView):
       frontend: "widgets", "console", or "auto" (widgets in a kernel, console elsewhere).
       max_rate_hz: most status/progress refreshes per second.
       render_budget: most fraction of one core's time spent drawing the figure while the run
-        goes, over any few seconds (plots/live_frame.DrawingBudget: every snapshot is drawn while
+        goes, over any 10 s (plots/live_frame.DrawingBudget: every snapshot is drawn while
         the figure's drawings stay within it).
 
     Attributes (read by tests and the bench): renders, render_seconds (CPU), render_times
