@@ -105,7 +105,10 @@ def time_cell() -> list[tuple[str, dict]]:
     manager, client = start_new_kernel(kernel_name="python3")
     out = []
     try:
-        for name, code in (("cell: %load_ext workbench", "%load_ext workbench"), ("cell: %%replicate", TOY_CELL)):
+        for name, code in (
+            ("cell: %load_ext workbench", "%load_ext workbench"),
+            ("cell: %%replicate", TOY_CELL),
+        ):
             chunks, start = [], time.monotonic()
             msg_id = client.execute(code)
             while True:
@@ -163,7 +166,9 @@ def _load() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="demo,multi-worker,async-ps,scale,cell", help="items, comma-separated")
+    parser.add_argument(
+        "--only", default="demo,multi-worker,async-ps,scale,cell", help="items, comma-separated"
+    )
     wanted = parser.parse_args().only.split(",")
     folder = tempfile.mkdtemp(prefix="bench-first-output-")
     # The commands' runs and files in the temporary folder, removed at the end.
@@ -189,7 +194,9 @@ def _report(name: str, r: dict, before: str) -> None:
         return "-" if x is None else f"{x:.1f} s"
 
     status = "" if r["returncode"] == 0 else f" (exit {r['returncode']})"
-    print(f"{name:28} {s(r['first_s']):>10} {s(r['silence_s']):>8} {s(r['total_s']):>7}  {before} -> {_load()}{status}")
+    print(
+        f"{name:28} {s(r['first_s']):>10} {s(r['silence_s']):>8} {s(r['total_s']):>7}  {before} -> {_load()}{status}"
+    )
     print(f"{'':28} first: {r['first_text']!r}")
     print(f"{'':28} longest silence after: {r['silence_after']!r}", flush=True)
 
