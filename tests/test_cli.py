@@ -68,6 +68,9 @@ def test_workbench_scale_studies_a_script_and_writes_figure_and_table(tmp_path):
     assert list(table["replicas"]) == [1, 2] and list(table["global_batch"]) == [32, 64]
     assert list(table["steps"]) == [10, 10] and table["efficiency"].notna().all()
     assert f"figure: {png}" in out.stdout and "note: 2 virtual CPU device(s) share" in out.stdout
+    # A line as each configuration starts: the study is not silent until its table.
+    started = re.findall(r"^\[workbench\] scaling weak n=(\d) .*: compiling step_fn", out.stdout, re.M)
+    assert started == ["1", "2"], out.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
