@@ -781,6 +781,19 @@ def _image_brightness(png: bytes) -> float:
     return float(np.asarray(Image.open(io.BytesIO(png)).convert("L")).mean())
 
 
+def _shown_brightness(image, before: float) -> float:
+    """The mean grey of `image` (a locator) now, or `before` when the image was being replaced
+    (a theme switch draws the figure again: the element can leave the page mid-screenshot)."""
+    from playwright.sync_api import Error
+
+    try:
+        return _image_brightness(image.screenshot())
+    except Error as e:
+        if "not attached" not in str(e):
+            raise
+        return before
+
+
 def _compare_chart_is_interactive(page, view) -> None:
     """The compare view's chart: both runs' store names in its legends, values on hover, the
     smoothing slider redraws the lines, the loss axis switches between log and linear."""
@@ -1349,7 +1362,7 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     deadline, dark = time.monotonic() + 60, light
                     while dark > 80 and time.monotonic() < deadline:
                         page.wait_for_timeout(500)
-                        dark = _image_brightness(figure.screenshot())
+                        dark = _shown_brightness(figure, dark)
                     page.screenshot(path=str(SCREENSHOTS / "live-theme-switched.png"))
                     report.append(
                         f"finished figure's mean grey: {light:.0f} light, {dark:.0f} after the switch"
