@@ -14,6 +14,7 @@ import time
 from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.tracebacks import full_tracebacks
+from workbench._src.launch.heal import replaced_in_run
 
 # The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
 # that keeps using CPU is busy: its heartbeat thread cannot run while another thread holds
@@ -172,6 +173,8 @@ class Watch:
             run.publish(
                 "started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps
             )
+        elif event_kind == "restart" and data.get("replaced"):  # an async-ps worker replaced, no rewind
+            replaced_in_run(run, self.pool, self.launcher.last_processes, data)
         elif event_kind in ("checkpoint", "message"):
             run.publish(event_kind, **data)
             elastic = self.launcher.elastic
@@ -406,12 +409,8 @@ def startup_phases(reports, started_wall: float, warm: bool, ahead: float = 0.0)
     `ahead` seconds before the run: its phases count from its start, and its processes' wait
     for the run's work is not shipping."""
     if warm:
-        return {
-            "handoff": round(
-                max((r.get("unpickled", started_wall) for r in reports), default=started_wall) - started_wall,
-                3,
-            )
-        }
+        handed_off = max((r.get("unpickled", started_wall) for r in reports), default=started_wall)
+        return {"handoff": round(handed_off - started_wall, 3)}
     marks = ("entered", "imported", "servers", "joined", "unpickled")
     out = dict.fromkeys(PHASES, 0.0)
     for report in reports:
