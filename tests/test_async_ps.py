@@ -35,7 +35,8 @@ pytestmark = pytest.mark.usefixtures("no_orphans")
 # The order matters to the tests marked shares_warm_pool (tests/conftest.py): they hand their warm
 # pool to the next one, as a notebook's next cell would find it. One worker and one parameter
 # server: the one-device match, then the kill while checkpointing (which retires it). Two
-# workers: the loopback check, the %%replicate cell, then the killed worker (which retires it).
+# workers: the loopback check, the %%replicate cell, then the killed worker (replaced: the pool
+# stays whole and warm, and the file's end shuts it down).
 
 
 @pytest.mark.slow

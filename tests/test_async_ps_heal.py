@@ -74,6 +74,11 @@ def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on():
     # The new server trains: it spent CPU time on the run's steps after it joined.
     assert cpu_later - cpu_at_join > 0.05, (cpu_at_join, cpu_later)
     assert run.executed_steps >= run.steps  # at-least-once: the lost chunks ran again
+    # The pool is whole again, so the next run finds it warm: the same coordinator, the new worker.
+    again = repl.train(setup=regression_setup, steps=20)
+    assert again.status == "finished", again.stop_reason
+    assert process_pid(again, "coordinator", 0) == process_pid(run, "coordinator", 0)
+    assert new in {p["pid"] for p in again.processes} and killed not in {p["pid"] for p in again.processes}
 
 
 @pytest.mark.slow
