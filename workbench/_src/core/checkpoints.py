@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import threading
 
 from workbench._src import compat
@@ -68,7 +69,7 @@ class Saver:
         self._write = None  # the compiled write, traced at the first save
         self._copy_and_write = None  # the same in two parts (copy, write): for a background write
         self._traced_write = None  # its write, traced
-        self._writing: threading.Thread | None = None  # a background write not yet joined
+        self._writing: threading.Event | None = None  # set when the background write is done
         self._write_error: BaseException | None = None  # what the last background write raised
         # What the run loop is training towards: saved so that a resumed run given the same
         # steps finishes this one (0: nothing unfinished, e.g. once the run has finished).
@@ -123,11 +124,8 @@ class Saver:
                 if self._traced_write is None:  # traced here, on the run's thread, as the first save
                     self._traced_write = write.get_concrete_function(t.constant(path), values)
                 self._saved = mark
-                self._writing = threading.Thread(
-                    target=self._write_in_background, args=(self._traced_write, path, values, on_saved),
-                    name="workbench checkpoint write", daemon=True,
-                )  # fmt: skip
-                self._writing.start()
+                self._writing = threading.Event()
+                _in_background(self._write_in_background, self._traced_write, path, values, on_saved)
                 return None
         if self._write is None:
             self._write = t.function(_single_file_write(self.step_checkpoint))
@@ -143,6 +141,8 @@ class Saver:
         except BaseException as error:  # noqa: BLE001 - raised by the next save, on the run's thread
             self._write_error = error
             return
+        finally:
+            self._writing.set()
         if on_saved is not None:
             on_saved(path)
 
@@ -150,11 +150,34 @@ class Saver:
         """Returns once no save is being written; raise_error: raises what a background write
         raised (else it stays for the next save to raise)."""
         if self._writing is not None:
-            self._writing.join()
+            self._writing.wait()
             self._writing = None
         if raise_error and self._write_error is not None:
             error, self._write_error = self._write_error, None
             raise error
+
+
+# One writer thread for every run of the process, started at the first background save: handing
+# it a write costs the run's thread microseconds, where starting a thread per save took up to
+# milliseconds on a loaded machine (the start waits for the new thread to be scheduled).
+_writes: queue.SimpleQueue = queue.SimpleQueue()
+_writer_lock = threading.Lock()
+_writer: threading.Thread | None = None
+
+
+def _in_background(function, *args) -> None:
+    global _writer
+    with _writer_lock:
+        if _writer is None or not _writer.is_alive():
+            _writer = threading.Thread(target=_write_forever, name="workbench checkpoint writer", daemon=True)
+            _writer.start()
+    _writes.put((function, args))
+
+
+def _write_forever() -> None:
+    while True:
+        function, args = _writes.get()
+        function(*args)
 
 
 def _copy_then_write(checkpoint):
