@@ -16,24 +16,36 @@ def test_workbench_demo_prints_a_summary_and_writes_the_plot_quietly(tmp_path):
     # As from a user's shell: no TF_CPP_MIN_LOG_LEVEL set, so TensorFlow's start-up lines would
     # show unless the workbench holds them back (README; the kernel's side is test_quiet_logs.py).
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "WORKBENCH_TF_LOGS")}
-    png = tmp_path / "demo.png"
+    # As the README runs it (no --out), from a clone's root: the plot goes to the results folder
+    # of the temp folder (here a private TMPDIR), nothing into the working folder.
+    work, private_tmp = tmp_path / "clone", tmp_path / "tmp"
+    work.mkdir()
+    private_tmp.mkdir()
+    env.update(TMPDIR=str(private_tmp), WORKBENCH_RUNS_DIR=str(tmp_path / "runs"))
+    png = private_tmp / "workbench-results" / "workbench-demo.png"
     out = subprocess.run(
-        ["workbench", "demo", "--replicas", "2", "--steps", "120", "--out", str(png)],
+        ["workbench", "demo", "--replicas", "2", "--steps", "120"],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
+        cwd=work,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert not TF_NOISE.search(out.stderr), "workbench demo printed TensorFlow noise:\n" + out.stderr[-3000:]
     assert "backend        : mirrored, 2 replicas, global batch 128" in out.stdout
     assert "steps          : 120 in" in out.stdout
+    # What it does while it trains: the run's progress lines, the last one its final figures.
+    assert re.search(r"^\[workbench\] compiling step_fn", out.stdout, re.M), out.stdout
+    assert re.search(r"^step 120/120 .*examples/s", out.stdout, re.M), out.stdout
     accuracy = float(out.stdout.split("test accuracy  : ")[1].split()[0])
     assert accuracy > 0.8  # 120 Adam steps on digits learn something real
     # One definition of each figure; the median is labelled as such.
     assert re.search(r"throughput     : [\d,.]+ steps/s \u00b7 [\d,.]+ examples/s \(whole run", out.stdout)
     assert re.search(r"median step    : [\d,.]+ examples/s", out.stdout), out.stdout
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert f"plot           : {png}" in out.stdout
+    assert list(work.iterdir()) == [], "workbench demo wrote into the working folder"
 
 
 def test_cli_usage_error_is_clear():
@@ -56,6 +68,9 @@ def test_workbench_scale_studies_a_script_and_writes_figure_and_table(tmp_path):
     assert list(table["replicas"]) == [1, 2] and list(table["global_batch"]) == [32, 64]
     assert list(table["steps"]) == [10, 10] and table["efficiency"].notna().all()
     assert f"figure: {png}" in out.stdout and "note: 2 virtual CPU device(s) share" in out.stdout
+    # A line as each configuration starts: the study is not silent until its table.
+    started = re.findall(r"^\[workbench\] scaling weak n=(\d) .*: compiling step_fn", out.stdout, re.M)
+    assert started == ["1", "2"], out.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

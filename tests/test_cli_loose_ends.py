@@ -167,3 +167,9 @@ def test_the_readmes_commands_write_only_where_they_say():
     figure = _figure_path(argparse.Namespace(out=None, csv="/tmp/x/study.csv"))
     assert figure == "/tmp/x/study.png"
     assert _figure_path(argparse.Namespace(out=None, csv=None)) is None
+    # `workbench demo` (the README's first command) writes its plot to the same results folder.
+    from workbench.cli import build_parser
+
+    demo_out = build_parser().parse_args(["demo"]).out
+    assert os.path.isabs(demo_out) and "workbench-results" in demo_out, demo_out
+    assert "/tmp/workbench-results/workbench-demo.png" in readme

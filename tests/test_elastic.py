@@ -68,8 +68,6 @@ def test_the_heal_line_says_how_many_workers_it_went_on_with():
 
 @pytest.mark.slow
 def test_a_pool_one_node_cannot_place_starts_on_fewer_workers_and_equals_one_device(tmp_path):
-    import ray
-
     # spread: one worker per node; a local Ray instance is one node, so 2 workers never fit.
     cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 1}, placement="spread")
     try:
@@ -87,7 +85,7 @@ def test_a_pool_one_node_cannot_place_starts_on_fewer_workers_and_equals_one_dev
         assert not _messages(run, "growing back")  # the probe at each checkpoint found no room
         repl.shutdown()
     finally:
-        ray.shutdown()
+        cluster.shutdown()
     _one_device(tmp_path / "one", 100)
     assert_same_checkpoints(tmp_path / "elastic", tmp_path / "one", atol=1e-5)
 

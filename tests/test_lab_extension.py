@@ -781,6 +781,19 @@ def _image_brightness(png: bytes) -> float:
     return float(np.asarray(Image.open(io.BytesIO(png)).convert("L")).mean())
 
 
+def _shown_brightness(image, before: float) -> float:
+    """The mean grey of `image` (a locator) now, or `before` when the image was being replaced
+    (a theme switch draws the figure again: the element can leave the page mid-screenshot)."""
+    from playwright.sync_api import Error
+
+    try:
+        return _image_brightness(image.screenshot())
+    except Error as e:
+        if "not attached" not in str(e):
+            raise
+        return before
+
+
 def _compare_chart_is_interactive(page, view) -> None:
     """The compare view's chart: both runs' store names in its legends, values on hover, the
     smoothing slider redraws the lines, the loss axis switches between log and linear."""
@@ -920,6 +933,8 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     expect(renamed.locator(".wb-stored-details")).to_contain_text("#best #lr-sweep")
                     sidebar.locator(".wb-filter-text").fill("lr-sweep")
                     expect(rows).to_have_count(1)
+                    sidebar.locator(".wb-filter-text").fill("#best")  # the tag as the row shows it
+                    expect(rows).to_have_count(1)
                     sidebar.locator(".wb-filter-text").fill("")
                     page.screenshot(path=str(SCREENSHOTS / "identity-renamed-tagged.png"))
 
@@ -949,6 +964,9 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                         expect(picked).to_have_count(left)
                     renamed.locator(".wb-pick-run").check()
                     sidebar.locator(".wb-delete").click()
+                    # The dialog names the run it deletes (and only it).
+                    expect(page.locator(".jp-Dialog-body")).to_contain_text("\u2022 from b")
+                    assert page.locator(".jp-Dialog-body").inner_text().count("\u2022") == 1
                     page.locator(".jp-Dialog .jp-mod-warn").click()
                     expect(rows).to_have_count(2)
                     sidebar.locator(".wb-tab-kernel").click()
@@ -1124,11 +1142,14 @@ def _said_before_step_one(seen: list[dict], name: str) -> list[str]:
 def _sample_live_views(page, cell: int, count: int) -> list[dict]:
     """`count` instants of the live views (each read in one evaluate: one instant), 0.7 s apart,
     from the first one where the header, the sidebar and the figure show a snapshot, the figure
-    past its first steps (its first drawings build it: fonts, axes, a panel per metric)."""
+    past its first 2,000 steps: its first drawings build it (fonts, axes, a panel per metric),
+    and while a run's step count grows by half at every snapshot its axes grow at most of them
+    (each a full drawing, 4-5 times a blitted frame's CPU, which a load of 15-20 on two cores
+    stretches to a second)."""
     samples, deadline = [], time.monotonic() + 300
     while len(samples) < count and time.monotonic() < deadline:
         seen = page.evaluate(LIVE_VIEWS_JS, cell)
-        drawn = (seen["plot_step"] or 0) >= 200 or samples
+        drawn = (seen["plot_step"] or 0) >= 2000 or samples
         if seen["header_seq"] and seen["card_seq"] and seen["bar_step"] is not None and drawn:
             samples.append(seen)
         page.wait_for_timeout(700)
@@ -1152,7 +1173,7 @@ def _snapshot_steps(page, cell: int) -> dict[int, int]:
     return {int(k): v for k, v in json.loads(text[text.index("SNAPSHOTS") + len("SNAPSHOTS") :]).items()}
 
 
-def _views_agree(samples: list[dict], steps: dict[int, int], name: str, figure_lag: int = 1) -> list[str]:
+def _views_agree(samples: list[dict], steps: dict[int, int], name: str) -> list[str]:
     """Each instant: the header, the sidebar card and the status bar show snapshots at most one
     apart, each view the steps of the snapshot it says; the progress bar the header's snapshot or
     a neighbour of it; the figure never ahead of the header. Returns lines for the report."""
@@ -1179,13 +1200,11 @@ def _views_agree(samples: list[dict], steps: dict[int, int], name: str, figure_l
             f"figure {s['plot_seq']}; steps header {s['header_step']} bar {s['bar_step']} card "
             f"{s['card_step']} figure {s['plot_step']}"
         )
-    # The figure draws the latest snapshot, blitted, on its own thread: level with the header
-    # or one snapshot behind at most instants (at a load of 15-25: once 3 behind, for ~1.5 s,
-    # while an async-ps figure was still growing its axes); it moves on with the run.
-    # An async-ps run's figure trails by 2-3 snapshots (1-1.5 s): its coordinator's Python
-    # holds the GIL that the figure's drawing needs (open: issue 41's "one refresh").
+    # The figure draws the latest snapshot, blitted, on its own thread, within a CPU budget
+    # over a window (plots/live_frame.DrawingBudget): level with the header or one snapshot
+    # behind at most instants, for a foreground and an async-ps run alike; it moves on with the run.
     lags = sorted(s["header_seq"] - s["plot_seq"] for s in samples if s["plot_seq"] is not None)
-    assert lags and lags[len(lags) // 2] <= figure_lag, (name, lags)
+    assert lags and lags[len(lags) // 2] <= 1, (name, lags)
     plotted = [s["plot_seq"] for s in samples if s["plot_seq"] is not None]
     assert plotted[-1] > plotted[0], (name, plotted)
     lines.append(f"{name}: figure behind the header by {lags} snapshots")
@@ -1299,7 +1318,7 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     tab = page.locator("li[data-id='replicator-workbench-sidebar']").bounding_box()
                     title = sidebar.locator(".wb-title").bounding_box()
                     assert title["x"] + title["width"] <= tab["x"], "the sidebar's heading runs under its tab"
-                    report += _views_agree(samples, _snapshot_steps(page, 4), "async-ps", figure_lag=3)
+                    report += _views_agree(samples, _snapshot_steps(page, 4), "async-ps")
                     running.locator(".wb-stop").click()
                     expect(running).to_have_count(0)
 
@@ -1343,7 +1362,7 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     deadline, dark = time.monotonic() + 60, light
                     while dark > 80 and time.monotonic() < deadline:
                         page.wait_for_timeout(500)
-                        dark = _image_brightness(figure.screenshot())
+                        dark = _shown_brightness(figure, dark)
                     page.screenshot(path=str(SCREENSHOTS / "live-theme-switched.png"))
                     report.append(
                         f"finished figure's mean grey: {light:.0f} light, {dark:.0f} after the switch"

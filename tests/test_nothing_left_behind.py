@@ -107,3 +107,40 @@ def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_folder(tmp_pat
             assert leftovers(private) == [], f"left in TMPDIR after exit {attempt + 1}: {leftovers(private)}"
         finally:
             shutil.rmtree(private, ignore_errors=True)
+
+
+# A launcher that made its private folders (a channel's socket folder, a process group's logs)
+# and is then killed: no exit hook runs, and the children that would have removed them are gone.
+KILLED_LAUNCHER = """
+import time
+from workbench._src.placements.local.processes import ProcessGroup
+from workbench._src.placements.proc import socket_folder
+
+group = ProcessGroup("killed", private_network=False)
+print(socket_folder("workbench-channel-"), group.log_dir, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_launchers_folders_go_at_the_next_start(monkeypatch):
+    private = Path(tempfile.mkdtemp(prefix="wb-", dir="/tmp"))  # (short: socket folders stay in it)
+    try:
+        env = {**os.environ, "TMPDIR": str(private)}
+        launcher = subprocess.Popen(
+            [sys.executable, "-c", KILLED_LAUNCHER], env=env, stdout=subprocess.PIPE, text=True
+        )
+        folders = launcher.stdout.readline().split()
+        assert len(folders) == 2 and all(Path(f).parent == private for f in folders), folders
+        assert all(os.path.basename(f).split("-")[2] == str(launcher.pid) for f in folders), folders
+        launcher.kill()
+        launcher.wait(10)
+        launcher.stdout.close()
+        assert sorted(os.listdir(private)) == sorted(os.path.basename(f) for f in folders)  # left
+        # The next launcher of this user removes them as it makes its own, and only them.
+        monkeypatch.setattr(tempfile, "tempdir", str(private))
+        group = ProcessGroup("next", private_network=False)
+        assert os.listdir(private) == [group.log_dir.name]
+        group.stop()
+        assert os.listdir(private) == []
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

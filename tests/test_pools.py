@@ -50,27 +50,26 @@ class PlacementUnderTest:
 
 def _ray_instance():
     """A local Ray instance of this process (`wb.RayCluster(address=None)`), its members packed
-    on it; ended with ray.shutdown(), then by the pids of whatever of it is left (never `ray
+    on it; ended with `cluster.shutdown()`, which ends what is left of it by pid (never `ray
     stop`, which ends every Ray instance of the machine)."""
     pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
     import ray
 
-    from workbench._src.placements.proc import pid_alive, pids_naming
+    from workbench._src.placements.proc import pid_alive, pids_naming, process_tree
 
     assert not ray.is_initialized(), "a Ray connection was left by another test module"
     cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
     cluster.connect()
-    root = cluster.local_root  # every process of the instance names it in its command line
+    root = cluster.local_root  # every process the instance starts names it in its command line
     try:
         yield cluster
     finally:
         pools.shutdown()
-        ray.shutdown()
-        left = pids_naming(root)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not any(pid_alive(pid) for pid in left), 15, "the Ray instance's processes to end")
+        instance = [pid for pid, _ in process_tree(pids_naming(root))]  # (agents retitle themselves)
+        cluster.shutdown()
+        # Nothing of it outlives the shutdown by more than its grace (its agents included).
+        wait_for(lambda: not any(pid_alive(pid) for pid in instance), 15, "the Ray instance's processes to end")
+        assert not os.path.exists(root)
 
 
 @pytest.fixture(scope="module", params=["local", "ray"])

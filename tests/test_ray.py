@@ -40,7 +40,7 @@ def ray_cluster():
     cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
     cluster.connect()
     yield cluster
-    ray.shutdown()
+    cluster.shutdown()
 
 
 def _pid_gone(pid: int) -> bool:
@@ -266,18 +266,20 @@ def test_a_ray_members_temp_folder_goes_with_its_process_even_when_it_is_killed(
 def test_a_killed_kernels_ray_temp_root_is_removed_by_the_next_local_instance(tmp_path):
     """A kernel killed by a signal (nbval, JupyterLab's shutdown) runs no exit hook: its local Ray
     instance's temp root stays. The next process that starts one removes the roots of owners that
-    are gone, and only those."""
-    from workbench._src.placements.ray.cluster import remove_roots_of_dead_owners
+    are gone, and only those (the same rule removes a killed launcher's channel, fork-server and
+    log folders: placements/proc.owned_folder)."""
+    from workbench._src.placements.proc import owned_folder
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     dead_root = tmp_path / f"wbray-{gone.pid}-abc123"
-    live_root = tmp_path / f"wbray-{os.getpid()}-def456"
+    live_root = tmp_path / f"wbray-{os.getppid()}-def456"
     other = tmp_path / "wbray-notours"
     for folder in (dead_root / "ray" / "session_latest", live_root / "ray", other):
         folder.mkdir(parents=True)
-    assert remove_roots_of_dead_owners(str(tmp_path)) == [dead_root.name]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_root.name, other.name])
+    mine = owned_folder("wbray-", str(tmp_path))
+    assert os.path.basename(mine).startswith(f"wbray-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live_root.name, other.name, os.path.basename(mine)])
 
 
 def test_the_ray_root_goes_in_tmpdir_only_where_rays_socket_paths_fit(monkeypatch):

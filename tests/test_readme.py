@@ -34,7 +34,8 @@ README = ROOT / "README.md"
 
 # Bash blocks not run here, by a line they hold: why, and what checks them instead.
 NOT_RUN = {
-    "pip install -e . && workbench demo": "installs the package; `workbench demo` is tests/test_cli.py's",
+    "pip install -e . && workbench demo": "installs the package; `workbench demo` is tests/test_cli.py's (run "
+    "as here, from an empty folder that it leaves empty)",
     'pip install -e ".[test]" && python -m pytest -n 3': "the test command itself (.ci/run runs it; "
     "test_ci_runs_the_readmes_test_command checks they agree)",
     'python -m pytest -m "not slow"': "the fast lane: the tests themselves",

@@ -7,6 +7,7 @@ import sys
 
 from workbench._src import options
 from workbench._src.core import registry
+from workbench._src.scripts.demo import default_out
 from workbench._src.scripts.demo import demo as run_demo
 from workbench._src.scripts.run_file import run_file, scale_file
 from workbench._src.sinks.progress import say
@@ -90,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="training steps (global batch 128)",
     )
-    demo.add_argument("--out", default="workbench-demo.png", metavar="PNG", help="where to write the plot")
+    demo.add_argument(
+        "--out",
+        default=default_out(),
+        metavar="PNG",
+        help="where to write the plot (its folder is created)",
+    )
     run = sub.add_parser(
         "run",
         help="train the input_fn/step_fn a Python file defines, on any backend",

@@ -189,18 +189,6 @@ def shown(columns: dict, snapshot: dict | None, status: str, final: bool, target
     return columns, figures(columns, running=running, target_steps=target_steps)
 
 
-def plot_spacing(redraw_costs: list[float], period: float, budget: float) -> float:
-    """Seconds until a live figure is drawn again: drawing stays under `budget` of one core, from
-    the median of the last few redraws' CPU costs. Drawings that built the figure (the first, a
-    new metric's panel, a theme switch: fonts and axes made, several redraws' cost) are left out
-    by the caller: counted, one held the next drawing back for tens of seconds, and the figure
-    stayed at step 12 while the header said 2,700."""
-    recent = sorted(redraw_costs[-5:])
-    if not recent:
-        return period
-    return max(period, recent[len(recent) // 2] / budget)
-
-
 # What a run that has started but has no step yet is doing, when it has said nothing else: the
 # first call of step_fn traces and compiles it (seconds, a minute for a large model).
 COMPILING = "compiling step_fn (its first call traces it) and running the first steps"

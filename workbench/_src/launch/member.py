@@ -4,7 +4,7 @@ process's replicator, then run work items until "shutdown" or the launcher is go
 The entry points call it: a local member (placements/local/worker_main.py, over its Unix-socket
 link) and a Ray member (placements/ray/member.py, over actor calls).
 
-It reports wall-clock milestones of its start in the "ready" message (watch.startup_phases):
+It reports wall-clock milestones of its start in the "ready" message (start_progress.startup_phases):
 the slow parts (importing TensorFlow, starting servers, joining the cluster) overlap across
 processes, and the async-ps coordinator starts its servers *before* importing TensorFlow, so
 their imports run while its own does.

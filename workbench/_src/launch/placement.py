@@ -69,6 +69,12 @@ class Member(Protocol):
         its heartbeats tell a busy member from a frozen one."""
         ...
 
+    def cpu_wait(self) -> tuple[float, bool] | None:
+        """How it waits for a CPU (a busy machine starving it): (seconds its threads waited,
+        runnable; whether one is runnable now). None where it cannot be read: then a starved
+        member is told from a frozen one by its CPU time alone."""
+        ...
+
 
 @runtime_checkable
 class Members(Protocol):

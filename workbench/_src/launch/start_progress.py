@@ -6,6 +6,8 @@ The launcher listens while it checks out and starts a pool (`listening(callback)
 each line as the run's "message" event, which the cell, the sidebar and the CLI's "[workbench]"
 lines show). A line said while nobody listens (a pool started in the background by the magic or
 the panel, before its run exists) is kept, and the next listener hears it first.
+
+Once the members report ready, `startup_phases` tells how long each phase of the start took.
 """
 
 from __future__ import annotations
@@ -83,3 +85,39 @@ class Phases:
 
     def __exit__(self, *exc) -> None:
         self._done.set()
+
+
+PHASES = ("spawn", "imports", "servers", "cluster join", "shipping")
+
+
+def startup_phases(reports, started_wall: float, warm: bool, ahead: float = 0.0) -> dict:
+    """run.startup: seconds per phase of the start, each the slowest process's. A process reports
+    wall-clock milestones (worker_main): entered (its interpreter runs our code), imported
+    (TensorFlow), servers (its own servers listen: async-ps), joined (the strategy is built),
+    unpickled (the work is ready to run). Consecutive milestones, so the phases add up to the
+    wait. A warm pool's start is one phase, the hand-off. A pool started in the background
+    `ahead` seconds before the run: its phases count from its start, and its processes' wait
+    for the run's work is not shipping."""
+    if warm:
+        return {
+            "handoff": round(
+                max((r.get("unpickled", started_wall) for r in reports), default=started_wall) - started_wall,
+                3,
+            )
+        }
+    marks = ("entered", "imported", "servers", "joined", "unpickled")
+    out = dict.fromkeys(PHASES, 0.0)
+    for report in reports:
+        previous = started_wall - ahead
+        for phase, mark in zip(PHASES, marks):
+            at = report.get(mark, previous)
+            if phase == "shipping":
+                previous = max(previous, started_wall)  # (the work exists from the run's start)
+            out[phase] = max(out[phase], at - previous)
+            previous = at
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def phase_text(startup: dict) -> str:
+    """run.startup as one line: "spawn 1.2 s, imports 3.4 s, ..."."""
+    return ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())

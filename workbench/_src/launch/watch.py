@@ -15,6 +15,7 @@ from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.tracebacks import full_tracebacks
 from workbench._src.launch.heal import replaced_in_run
+from workbench._src.launch.start_progress import phase_text, startup_phases
 
 # The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
 # that keeps using CPU is busy: its heartbeat thread cannot run while another thread holds
@@ -26,6 +27,13 @@ from workbench._src.launch.heal import replaced_in_run
 # tick a second); raise it only if a frozen process could use CPU (it cannot), lower it never: a
 # busy thread's share falls with the load (two cores shared by ~30 runnable threads give ~7%).
 BUSY_CPU_SHARE = 0.01
+# STARVED_WAIT_SHARE: a silent member with a thread runnable now, or whose threads waited,
+# runnable, for a CPU at least this share of the time since its last sign of life, is starved by
+# the machine, not frozen, and its silence counts from now (at load 40-70 a coordinator that got almost no CPU for 12 s was named
+# frozen). A stopped or hung process has no runnable thread: its wait does not grow, apart from
+# a waking thread's milliseconds. Raise it if a hung member is spared; a starved one waits
+# nearly all the time.
+STARVED_WAIT_SHARE = 0.25
 # BUSY_SILENCE_LIMIT: a member silent *and* busy is named all the same once it has used this many
 # heartbeat timeouts of CPU time since its last message (one call holding the GIL for good). In
 # CPU time, not wall time, so that a loaded machine stretches the bound instead of breaking it.
@@ -65,7 +73,8 @@ class Watch:
         self.tasks = [t.name for t in pool.tasks]
         self.chief = self.tasks[0]
         self.heard: dict[str, float] = {}
-        self.cpu_seen: dict[str, tuple[float, float | None]] = {}  # task -> (last sign of life, CPU s then)
+        # task -> (last sign of life, its CPU s then, its threads' wait for a CPU then)
+        self.cpu_seen: dict[str, tuple[float, float | None, float | None]] = {}
         self.cpu_at_message: dict[str, float | None] = {}  # task -> its CPU s when its last message came
         self.ready: set[str] = set()
         self.results: dict = {}
@@ -116,7 +125,7 @@ class Watch:
                 self.run.startup = startup_phases(
                     self.phases.values(), self.started_wall, self.warm, ahead=self.ahead
                 )
-                backend, phases = self.launcher.backend, _phase_text(self.run.startup)
+                backend, phases = self.launcher.backend, phase_text(self.run.startup)
                 if self.warm:
                     text = f"{backend} warm pool (run {self.pool.runs}) ready in {seconds:.1f} s"
                 elif self.ahead:
@@ -211,11 +220,17 @@ class Watch:
                 continue
             silent = now - last
             if self._idle_for(task, now) > timeout:
-                measured = self.cpu_seen.get(task, (0, None))[1] is not None
-                idle = " and almost no CPU time used" if measured else ""
+                mark = self.cpu_seen.get(task, (0, None, None))
+                state = (
+                    " while it neither ran nor waited for a CPU (frozen, stopped or hung)"
+                    if mark[2] is not None
+                    else " and almost no CPU time used (frozen, stopped or starved)"
+                    if mark[1] is not None
+                    else " (frozen, stopped, starved or cut off)"
+                )
                 self._raise(
                     f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
-                    f"{silent:.0f} s{idle} (frozen, stopped or starved){self._at_step()}; every process "
+                    f"{silent:.0f} s{state}{self._at_step()}; every process "
                     "of the run was stopped.",
                     task,
                     cause=f"no heartbeat for {silent:.0f} s",
@@ -251,22 +266,29 @@ class Watch:
         return {"type": "stop", "run": self.number, "preempt": self.run._preempted if self.run else None}
 
     def _idle_for(self, task: str, now: float) -> float:
-        """Seconds since `task` last showed it is alive: a message from it, or CPU time it used
-        while its heartbeats were late (BUSY_CPU_SHARE of a core since the last sign, asked
-        when the silence reaches the timeout). A process whose CPU time cannot be read (a Ray
+        """Seconds since `task` last showed it is alive: a message from it, or, while its
+        heartbeats were late, CPU time it used (BUSY_CPU_SHARE of a core since the last sign) or
+        time its threads waited for a CPU (STARVED_WAIT_SHARE: a busy machine starves it), asked
+        when the silence reaches the timeout. A process that cannot be read from here (a Ray
         member on another node) has its messages only."""
         heard = self.heard[task]
         mark = self.cpu_seen.get(task)
+        child = self._child(task)
         if mark is None or mark[0] < heard:  # a message since the last look: its CPU time now
-            self.cpu_seen[task] = (now, self._child(task).cpu_seconds())
+            self.cpu_seen[task] = (now, child.cpu_seconds(), _waited(child.cpu_wait()))
             self.cpu_at_message[task] = self.cpu_seen[task][1]
             return now - heard
-        since, cpu_then = mark
+        since, cpu_then, wait_then = mark
         if cpu_then is None or now - since <= self.launcher.heartbeat_timeout:
             return now - since
-        cpu = self._child(task).cpu_seconds()
-        if cpu is not None and cpu - cpu_then >= BUSY_CPU_SHARE * (now - since):
-            self.cpu_seen[task] = (now, cpu)  # busy: the silence counts from now
+        cpu, wait = child.cpu_seconds(), child.cpu_wait()
+        busy = cpu is not None and cpu - cpu_then >= BUSY_CPU_SHARE * (now - since)
+        waited = _waited(wait)
+        starved = wait is not None and (
+            wait[1] or (wait_then is not None and waited - wait_then >= STARVED_WAIT_SHARE * (now - since))
+        )
+        if busy or starved:
+            self.cpu_seen[task] = (now, cpu, waited)  # alive: the silence counts from now
             return 0.0
         return now - since
 
@@ -397,35 +419,8 @@ class Watch:
         )
 
 
-PHASES = ("spawn", "imports", "servers", "cluster join", "shipping")
-
-
-def startup_phases(reports, started_wall: float, warm: bool, ahead: float = 0.0) -> dict:
-    """run.startup: seconds per phase of the start, each the slowest process's. A process reports
-    wall-clock milestones (worker_main): entered (its interpreter runs our code), imported
-    (TensorFlow), servers (its own servers listen: async-ps), joined (the strategy is built),
-    unpickled (the work is ready to run). Consecutive milestones, so the phases add up to the
-    wait. A warm pool's start is one phase, the hand-off. A pool started in the background
-    `ahead` seconds before the run: its phases count from its start, and its processes' wait
-    for the run's work is not shipping."""
-    if warm:
-        handed_off = max((r.get("unpickled", started_wall) for r in reports), default=started_wall)
-        return {"handoff": round(handed_off - started_wall, 3)}
-    marks = ("entered", "imported", "servers", "joined", "unpickled")
-    out = dict.fromkeys(PHASES, 0.0)
-    for report in reports:
-        previous = started_wall - ahead
-        for phase, mark in zip(PHASES, marks):
-            at = report.get(mark, previous)
-            if phase == "shipping":
-                previous = max(previous, started_wall)  # (the work exists from the run's start)
-            out[phase] = max(out[phase], at - previous)
-            previous = at
-    return {k: round(v, 3) for k, v in out.items()}
-
-
-def _phase_text(startup: dict) -> str:
-    return ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
+def _waited(wait: tuple[float, bool] | None) -> float | None:
+    return None if wait is None else wait[0]
 
 
 def task_order(task: str):

@@ -31,7 +31,14 @@ def load_ipython_extension(ipython) -> None:
 
     ipython.register_magics(ReplicateMagics)
     runstore.install()
-    devices = configure_devices()
+    # Configuring the devices imports TensorFlow: 5-15 s without output, so the cell says so at
+    # once (issue 41: something on screen within 2 s), and the line goes when the import is done.
+    note = _transient_note("workbench: importing TensorFlow to configure its devices...")
+    try:
+        devices = configure_devices()
+    finally:
+        if note is not None:
+            note.update({"text/plain": ""}, raw=True)
     labcomm.register(ipython)  # the JupyterLab sidebar's kernel side (a comm target; no-op outside a kernel)
     if not devices["gpus"] and not devices["tpus"] and devices["virtual_cpus"] < 2:
         # TensorFlow started before the extension could split the CPU: say so now, not at the
@@ -41,3 +48,18 @@ def load_ipython_extension(ipython) -> None:
             "mirrored runs get one replica. Fix: restart the kernel and run `%load_ext workbench` "
             f"(it configures {DEFAULT_VIRTUAL_CPUS} virtual CPUs) before any other TensorFlow code."
         )
+
+
+def _transient_note(text: str):
+    """Shows `text` in the running cell under a display id (its handle, to blank it when done);
+    None where there is nothing to say it: TensorFlow already imported (nothing slow follows),
+    or no kernel (a terminal IPython shows a display only once: it would stay)."""
+    import sys
+
+    from workbench._src.sinks.dashboard_view import detect_frontend
+
+    if "tensorflow" in sys.modules or detect_frontend() != "widgets":
+        return None
+    from IPython.display import display
+
+    return display({"text/plain": text}, raw=True, display_id=True)

@@ -25,6 +25,29 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: 14, 15
 
 
+def process_cpu_wait(pid: int) -> tuple[float, bool] | None:
+    """How `pid` waits for a CPU: (seconds its threads have waited, runnable, on a run queue: the
+    run-queue delay of /proc/PID/task/*/schedstat, summed; whether a thread is runnable now: state
+    R). Both say a busy machine starves it, neither grows while it is stopped or asleep; the delay
+    is added only once a thread gets the CPU, so a process that gets none shows by its state.
+    None: gone, or not shown by this kernel."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total, runnable, read = 0, False, False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])  # on the CPU, waiting to run (ns), timeslices
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                runnable |= f.read().rsplit(")", 1)[1].split()[0] == "R"
+            read = True
+        except (OSError, IndexError, ValueError):  # a thread ended meanwhile
+            continue
+    return (total / 1e9, runnable) if read else None
+
+
 def process_start_ticks(pid: int) -> int | None:
     """When `pid` started, in clock ticks since boot (None: gone). With the pid it names one
     process for good: a pid reused later has another start time."""
@@ -54,8 +77,91 @@ def pids_naming(text: str) -> list[int]:
 
 
 def socket_folder(prefix: str) -> str:
-    """A new private folder (mkdtemp: 0700, only this user may reach a socket in it) in the temp
-    folder, or in /tmp when TMPDIR is so long that a socket's path in it would pass the 107-byte
+    """A new private folder (`owned_folder`: 0700, only this user may reach a socket in it) in the
+    temp folder, or in /tmp when TMPDIR is so long that a socket's path in it would pass the 107-byte
     limit of a Unix socket address."""
-    base = None if len(tempfile.gettempdir()) < 60 else "/tmp"
-    return tempfile.mkdtemp(prefix=prefix, dir=base)
+    base = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
+    return owned_folder(prefix, base)
+
+
+# The private folders a process of ours makes in the temp folder, each named `<prefix><pid>-*`.
+OWNED_PREFIXES = ("workbench-channel-", "workbench-cluster-", "workbench-fork-server-", "wbray-")
+
+
+def remove_folders_of_dead_owners(base: str) -> list[str]:
+    """Removes the folders `<prefix><pid>-*` (OWNED_PREFIXES) in `base` whose owner (that pid) is
+    gone and that this user owns: a process killed by a signal runs no clean-up, and its private
+    folders (sockets, logs, a Ray instance's root) would stay for good. A folder whose pid runs
+    again (reused by another process) is left alone: wrongly kept beats wrongly removed. Returns
+    the names removed."""
+    import re
+    import shutil
+
+    pattern = re.compile("(?:" + "|".join(map(re.escape, OWNED_PREFIXES)) + r")(\d+)-\w+")
+    removed = []
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return removed
+    for entry in entries:
+        found = pattern.fullmatch(entry)
+        if found is None or int(found.group(1)) == os.getpid() or pid_alive(int(found.group(1))):
+            continue
+        path = os.path.join(base, entry)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def owned_folder(prefix: str, base: str | None = None) -> str:
+    """A new private folder (mkdtemp: 0700) named `<prefix><our pid>-*` in `base` (the temp folder
+    by default), after removing the folders there of owners that are gone: a killed process's
+    folders go at the next start of any process of this user (a listing and a /proc read each)."""
+    assert prefix in OWNED_PREFIXES, prefix
+    base = base or tempfile.gettempdir()
+    remove_folders_of_dead_owners(base)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
+
+
+def process_tree(roots: list[int]) -> list[tuple[int, int]]:
+    """The processes `roots` and all their descendants, each as (pid, start ticks): what ending
+    them later must name, since a pid alone may be another process's by then."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields:
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        ticks = process_start_ticks(pid)
+        if ticks is not None and all(pid != known for known, _ in found):
+            found.append((pid, ticks))
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def end_processes(found: list[tuple[int, int]], grace: float) -> None:
+    """Waits up to `grace` seconds for the processes of `process_tree` to end by themselves, then
+    SIGKILLs those still running as the same process (same pid and start time)."""
+    import signal
+    import time
+
+    def still(pid, ticks):
+        return pid_alive(pid) and process_start_ticks(pid) == ticks
+
+    deadline = time.monotonic() + grace
+    while any(still(*p) for p in found) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, ticks in found:
+        if still(pid, ticks):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

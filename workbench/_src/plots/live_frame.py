@@ -81,3 +81,51 @@ class Blitter:
         """A drawing that is not live (the final figure): every artist drawn the usual way."""
         for artist in moving:
             artist.set_animated(False)
+
+
+class DrawingBudget:
+    """When a live figure may be drawn next: its drawings' CPU stays under `share` of one core
+    over any WINDOW seconds, and frames come at least `period` apart.
+
+    Spacing each drawing by its own cost over the share (the rule before) held the figure one to
+    three snapshots behind the header whenever the axes' limits moved: a full drawing (~0.1 s of
+    CPU, 4-5x a blitted frame) then spaced the next frame by a second, and a fast run moves its
+    limits often (an async-ps run's step axis crossed a grid line every few snapshots). Over a
+    window, the few full drawings are paid by the cheap blitted frames around them: every
+    snapshot is drawn while the average stays within the share, and a figure that costs more
+    waits until older drawings have left the window.
+    """
+
+    WINDOW = 10.0  # seconds: the longest burst is share x WINDOW of CPU (1 s at 10%)
+
+    def __init__(self, share: float, period: float):
+        self.share, self.period = share, period
+        self._drawn: list[tuple[float, float]] = []  # (monotonic start, CPU seconds) in the window
+        self._last = -math.inf
+
+    def spent(self, start: float, cost: float, counted: bool = True) -> None:
+        """A drawing started at `start` (monotonic) took `cost` CPU seconds. One that built the
+        figure (the first, a new metric's panel, a theme switch: several frames' cost, once) is
+        not `counted`: counted, it held the figure back for seconds at the start of every run."""
+        self._last = start
+        if counted:
+            self._drawn.append((start, cost))
+        self._drawn = [(t, c) for t, c in self._drawn if t > start - self.WINDOW]
+
+    def next_time(self) -> float:
+        """The monotonic time from which the next frame may be drawn."""
+        earliest = self._last + self.period
+        if not self._drawn:
+            return earliest
+        recent = sorted(c for _, c in self._drawn[-5:])
+        expected = recent[len(recent) // 2]  # what the next frame probably costs
+        allowed = self.share * self.WINDOW
+        if expected > allowed:  # one frame is more than the window allows: spaced by its cost
+            return max(earliest, self._drawn[-1][0] + expected / self.share)
+        spent = sum(c for _, c in self._drawn)
+        for start, cost in self._drawn:  # oldest first: each leaving the window frees its cost
+            if spent + expected <= allowed:
+                break
+            spent -= cost
+            earliest = max(earliest, start + self.WINDOW)
+        return earliest

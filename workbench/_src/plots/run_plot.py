@@ -154,7 +154,7 @@ class Plotter:
         with _RENDER_LOCK, theme.context():
             names = metric_names(columns)[:MAX_METRIC_PANELS]
             layout = (*names, theme.key())  # a theme switch builds the figure again, in its colours
-            self.built = self._layout != layout  # (a build costs several redraws: see live.plot_spacing)
+            self.built = self._layout != layout  # (a build costs several redraws: live_frame.DrawingBudget)
             if self.built:
                 self._build(names)
                 self._layout = layout

@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 from workbench._src.core.run_stats import describe, fmt
 from workbench._src.core.tf_setup import tf
-from workbench._src.sinks.progress import say
+from workbench._src.sinks.progress import ProgressPrinter, say
 
 
-def demo(
-    replicas: int = 4, steps: int = 600, out: str = "workbench-demo.png", global_batch: int = 128
-) -> dict:
+def default_out() -> str:
+    """Where the demo's plot goes unless `--out` says: the results folder the README's other
+    commands write to (/tmp/workbench-results/), never the working folder (a clone's root)."""
+    return os.path.join(tempfile.gettempdir(), "workbench-results", "workbench-demo.png")
+
+
+def demo(replicas: int = 4, steps: int = 600, out: str | None = None, global_batch: int = 128) -> dict:
     import workbench as wb  # the public face, as a user's script imports it (it imports this module's package)
 
     wb.configure_devices(cpus=max(8, replicas))
@@ -47,10 +54,9 @@ def demo(
         correct = t.cast(t.equal(t.argmax(logits, -1, output_type=t.int32), labels), t.float32)
         return {"loss": loss, "accuracy": t.reduce_mean(correct)}
 
-    say(
-        f"training {steps} steps on {repl.num_replicas} mirrored replicas (the first call compiles step_fn)..."
-    )
-    run = repl.train(step_fn, input_fn, steps=steps)
+    say(f"training {steps} steps on {repl.num_replicas} mirrored replicas...")
+    # A line a second while it trains (as `workbench run`): 600 steps take 10-40 s here.
+    run = repl.train(step_fn, input_fn, steps=steps, sinks=[ProgressPrinter(steps)])
     test_accuracy = float(np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test))
     summary = run.summary()  # the run's figures, as the dashboard and the sidebar show them
     devices = wb.device_summary()
@@ -69,6 +75,7 @@ def demo(
     )
     print(f"  final loss     : {summary['loss']:.4f}   train accuracy {summary['accuracy']:.3f}")
     print(f"  test accuracy  : {test_accuracy:.3f} ({len(y_test)} held-out digits)")
+    out = out or default_out()
     _plot(run, out, title=f"digits MLP, {repl.num_replicas} mirrored replicas")
     print(f"  plot           : {out}")
     return {**summary, "test_accuracy": test_accuracy, "plot": out}
@@ -96,5 +103,6 @@ def _plot(run, path: str, title: str) -> None:
     axes[2].set(title="examples/s per step", xlabel="step")
     fig.suptitle(title)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # (as --history and --csv do)
     fig.savefig(path, dpi=100)
     plt.close(fig)

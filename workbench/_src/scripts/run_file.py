@@ -17,6 +17,7 @@ from pathlib import Path
 from workbench._src.core import registry, tf_setup
 from workbench._src.core.cluster_resolver import checked_tf_config_env, cluster_resolver
 from workbench._src.core.current import set_current
+from workbench._src.core.default_sinks import register_default, unregister_default
 from workbench._src.core.errors import ConfigurationError, WorkbenchError
 from workbench._src.core.run import set_source
 from workbench._src.core.run_loop import PreemptOnSigterm
@@ -165,6 +166,7 @@ def scale_file(args) -> int:
         import_paths=(str(path.resolve().parent),),
     )
     options = {backend.threads_option: args.threads} if backend.threads_option and args.threads else {}
+    register_default(_say_each_configuration)
     try:
         study = scaling_study(
             setup=setup, backend=args.backend, replicas=counts, mode=args.mode,
@@ -175,6 +177,8 @@ def scale_file(args) -> int:
     except WorkbenchError as e:
         print(f"workbench scale: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        unregister_default(_say_each_configuration)
     table = study.table
     if args.csv:
         _make_folder(args.csv)
@@ -188,6 +192,20 @@ def scale_file(args) -> int:
     figure = study.path or "not written (--out PNG, or --csv, says where)"
     print(f"figure: {figure}" + (f"\ntable: {args.csv}" if args.csv else ""))
     return 0
+
+
+def _say_each_configuration(run):
+    """A sink for each run of `workbench scale`'s study: a line as each configuration starts (the
+    run's name says which) and what its processes say while they start. Without it the command
+    was silent from its first line to the table (30-60 s here, issue 41)."""
+
+    def sink(event) -> None:
+        if event.kind == "message":
+            say(event.data.get("text"))
+        elif event.kind == "started":
+            say(f"{run.name}: compiling step_fn, then the warm-up and the timed steps...")
+
+    return sink
 
 
 def _report_failure(error: Exception, args) -> int:

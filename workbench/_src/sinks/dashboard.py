@@ -20,10 +20,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from workbench._src.core.live import doing_now, plot_spacing, shown
+from workbench._src.core.live import doing_now, shown
 from workbench._src.core.run import Event
 from workbench._src.core.run_stats import shown_reason
 from workbench._src.plots import breakdown_plot, run_plot
+from workbench._src.plots.live_frame import DrawingBudget
 from workbench._src.sinks.dashboard_view import (
     DashboardView,
     Frontend,
@@ -71,7 +72,8 @@ class Dashboard(DashboardView):
       frontend: "widgets", "console", or "auto" (widgets in a kernel, console elsewhere).
       max_rate_hz: most status/progress refreshes per second.
       render_budget: most fraction of one core's time spent drawing the figure while the run
-        goes (figure redraws are spaced by their measured CPU cost / render_budget).
+        goes, over any 10 s (plots/live_frame.DrawingBudget: every snapshot is drawn while
+        the figure's drawings stay within it).
 
     Attributes (read by tests and the bench): renders, render_seconds (CPU), render_times
     (monotonic), render_costs (CPU s each), cpu_seconds (renderer thread, before the end),
@@ -114,7 +116,7 @@ class Dashboard(DashboardView):
         self.render_threads: set[str] = set()
         self.render_times: list[float] = []
         self.render_costs: list[float] = []
-        self._redraw_costs: list[float] = []  # (renders that did not build the figure: live.plot_spacing)
+        self._budget = DrawingBudget(render_budget, self.period)  # when the figure may be drawn next
         self.cpu_seconds = 0.0  # CPU the renderer thread used while the run went (all refreshes)
         self.error: BaseException | None = None
         self.smoothing: float | None = _choice["smoothing"]
@@ -334,7 +336,7 @@ class Dashboard(DashboardView):
             self._show_final(summary, title)
 
     def _draw_figure(self, forced: bool) -> None:
-        """The figure of the latest snapshot (on the figure thread), spaced by its CPU cost."""
+        """The figure of the latest snapshot (on the figure thread), within its CPU budget."""
         snapshot = self.snapshot
         columns, fig = shown(self.history.snapshot(), snapshot, self.status, False, self.target)
         if len(columns.get("step", ())) <= 1 or (
@@ -360,6 +362,5 @@ class Dashboard(DashboardView):
         self.render_threads.add(threading.current_thread().name)
         self.render_times.append(now)
         self.render_costs.append(cost)
-        if not run_plot.last_render_built():
-            self._redraw_costs.append(cost)
-        self._next_plot = now + plot_spacing(self._redraw_costs, self.period, self.render_budget)
+        self._budget.spent(now, cost, counted=not run_plot.last_render_built())
+        self._next_plot = self._budget.next_time()

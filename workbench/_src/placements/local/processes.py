@@ -42,7 +42,7 @@ from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
 from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
-from workbench._src.placements.proc import process_cpu_seconds
+from workbench._src.placements.proc import owned_folder, process_cpu_seconds, process_cpu_wait
 
 LOOPBACK = "127.0.0.1"
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
@@ -107,6 +107,10 @@ class Child:
         """The CPU time the process has used (all its threads), or None when it is gone."""
         return process_cpu_seconds(self.pid)
 
+    def cpu_wait(self) -> tuple[float, bool] | None:
+        """How its threads wait for a CPU (proc.process_cpu_wait), or None when it is gone."""
+        return process_cpu_wait(self.pid)
+
     def exit_description(self) -> str:
         code = self.popen.returncode
         if code is None:
@@ -165,7 +169,11 @@ class ProcessGroup:
         # up, and the parent's stop() removes the whole tree.
         parent_logs = os.environ.get(LOG_DIR_ENV)
         parent_logs = parent_logs if parent_logs and os.path.isdir(parent_logs) else None
-        self.log_dir = Path(tempfile.mkdtemp(prefix="workbench-cluster-", dir=parent_logs))
+        self.log_dir = Path(
+            tempfile.mkdtemp(prefix="workbench-cluster-", dir=parent_logs)
+            if parent_logs
+            else owned_folder("workbench-cluster-")  # (a killed launcher's go at the next start)
+        )
         self._stopped = False
         _live_groups.add(self)
         # Stops the processes even if the owner is garbage collected without stop().

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -23,6 +22,7 @@ import time
 
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.launch.start_progress import say
+from workbench._src.placements.proc import end_processes, owned_folder, pids_naming, process_tree
 
 PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
 # The logical CPUs of a local Ray instance (address=None), at least: it stands for this machine,
@@ -188,6 +188,18 @@ class RayCluster:
         process_exit.run_first()  # ray.init registered Ray's exit hooks: the pools stop before them
         return ray
 
+    def shutdown(self) -> None:
+        """Disconnects from the cluster; a local instance this process started ends with nothing
+        of it left (its agents too, by pid), as at exit. Pools on it should be shut down first."""
+        if "ray" not in sys.modules:
+            return
+        import ray
+
+        if self.local_root is not None and os.path.isdir(self.local_root):
+            end_local_instance(ray, self.local_root)
+        else:
+            ray.shutdown()
+
     def nodes(self) -> list[dict]:
         """The cluster's live nodes: address, CPUs and GPUs, and which is the head (the panel)."""
         ray = self.connect()
@@ -228,44 +240,35 @@ def _private_ray_root(ray) -> str:
     """A folder of its own for the local Ray instance this process starts (its sessions, logs and
     sockets; RAY_TMPDIR), removed at exit once Ray is shut down. In TMPDIR when Ray's Unix socket
     paths inside fit in their 107 bytes, else in /tmp. Also keeps the instance from taking over the
-    machine's /tmp/ray (another cluster's address file is there)."""
+    machine's /tmp/ray (another cluster's address file is there). The roots of killed kernels
+    (nbval and JupyterLab kill kernels that do not stop at once: no exit hook ran) go first."""
     base = tempfile.gettempdir()
     base = base if len(base) + len(LONGEST_RAY_SOCKET_SUFFIX) <= MAX_SOCKET_PATH else "/tmp"
-    remove_roots_of_dead_owners(base)
-    root = tempfile.mkdtemp(prefix=f"wbray-{os.getpid()}-", dir=base)
-
-    def remove():
-        with contextlib.suppress(Exception):
-            ray.shutdown()  # (Ray's own exit hook may come later: shutting down twice is harmless)
-        # ray.shutdown() returns before every process of the instance has ended, and one still
-        # writing its last log line recreates folders: remove until it stays removed (<= 2 s).
-        for _ in range(10):
-            shutil.rmtree(root, ignore_errors=True)
-            time.sleep(0.2)
-            if not os.path.exists(root):
-                return
+    root = owned_folder("wbray-", base)
 
     from workbench._src.core import exit as process_exit
 
-    process_exit.on_exit("ray", remove)  # (its stage comes after the pools': they talk to Ray)
+    process_exit.on_exit("ray", lambda: end_local_instance(ray, root))  # (after the pools': they talk to Ray)
     return root
 
 
-def remove_roots_of_dead_owners(base: str) -> list[str]:
-    """Removes the Ray temp roots (`wbray-<pid>-*` in `base`) of processes that are gone: a
-    kernel killed by a signal ran no exit hook (nbval and JupyterLab kill kernels that do not
-    stop at once), and Ray's processes ended with it, but its folder stayed. A root whose owner
-    runs, or whose pid now belongs to another process, is left alone. Returns what it removed."""
-    from workbench._src.placements.proc import pid_alive
-
-    removed = []
-    for entry in os.listdir(base):
-        found = re.fullmatch(r"wbray-(\d+)-\w+", entry)
-        if found is None or pid_alive(int(found.group(1))):
-            continue
-        shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
-        removed.append(entry)
-    return removed
+def end_local_instance(ray, root: str) -> None:
+    """Shuts down the local Ray instance living in `root` and leaves nothing of it: ray.shutdown()
+    ends the processes Ray started (GCS, raylet), but the raylet's agents (ray::DashboardAgent,
+    ray::RuntimeEnvAgent) only notice their raylet is gone tens of seconds later, and they have
+    retitled themselves, so their command lines no longer name the root: they are found as the
+    instance's descendants before it is shut down, and ended by pid after a short grace."""
+    instance = process_tree(pids_naming(root))
+    with contextlib.suppress(Exception):
+        ray.shutdown()  # (Ray's own exit hook may come later: shutting down twice is harmless)
+    end_processes(instance, grace=2.0)
+    # ray.shutdown() returns before every process of the instance has ended, and one still
+    # writing its last log line recreates folders: remove until it stays removed (<= 2 s).
+    for _ in range(10):
+        shutil.rmtree(root, ignore_errors=True)
+        time.sleep(0.2)
+        if not os.path.exists(root):
+            return
 
 
 def import_ray():

@@ -18,7 +18,12 @@ import queue
 import threading
 import time
 
-from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_start_ticks
+from workbench._src.placements.proc import (
+    pid_alive,
+    process_cpu_seconds,
+    process_cpu_wait,
+    process_start_ticks,
+)
 
 # How long one ray.wait waits for any member to say something: it bounds how late the link sees
 # that it was closed, nothing else (a message ends the wait at once).
@@ -78,6 +83,10 @@ class RayMember:
         one by it, as for a local child); None on another node: only its heartbeats tell."""
         return process_cpu_seconds(self.pid) if self._cpu_readable else None
 
+    def cpu_wait(self) -> tuple[float, bool] | None:
+        """How its threads wait for a CPU, where it can be read (this node)."""
+        return process_cpu_wait(self.pid) if self._cpu_readable else None
+
 
 class RayMembers:
     """The pool's actors, with the process group's questions (launch/watch.py asks them)."""
@@ -120,6 +129,14 @@ class RayLink:
             if not watched:  # (before start(), and after every member has left)
                 time.sleep(WAIT_SECONDS)
                 continue
+            if not ray.is_initialized():
+                # ray.shutdown() (the user's, a test's, the exit's) ended the members with the
+                # connection. No Ray call may follow: with auto-connect on (Ray imported before
+                # the workbench), one would start a new instance, and a wait on the old streams
+                # then fails a check in Ray's C++ core, which aborts this whole process.
+                for waitable in watched:
+                    self._lost(waitable, SystemExit("Ray was shut down"))
+                return
             try:
                 ready, _ = ray.wait(watched, num_returns=1, timeout=WAIT_SECONDS)
             # SystemExit: ray.shutdown() under a waiting call (Ray raises it in this thread); the
@@ -208,7 +225,11 @@ class RayLink:
                 self.ray.wait(calls, num_returns=len(calls), timeout=timeout)
 
     def close(self) -> None:
+        """Stops reading; returns once the reader is out of Ray (a ray.shutdown() may follow)."""
         self._closed = True
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=4 * WAIT_SECONDS)
 
 
 def death_reason(error: BaseException) -> str:

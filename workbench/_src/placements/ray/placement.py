@@ -190,6 +190,7 @@ class RayPlacement:
         not answer, and Ray's kill needs no answer."""
         ray = self.ray
         if not ray.is_initialized():  # Ray was shut down first: it ended the actors it owned,
+            self.channel.close()
             self._remove_folders_on_this_node()  # (their cleaners remove the folders too)
             return
         for member in self.group.children:

@@ -1,0 +1,100 @@
+"""A member that a busy machine starves is not frozen (issue 39: at load 40-70 an async-ps
+coordinator that got almost no CPU for 12 s was named "frozen, stopped or starved"). What tells
+them apart is the time its threads wait, runnable, for a CPU (/proc's run-queue delay): it grows
+while a process is starved and never while it is stopped. Starvation is made for real
+(`starved`: low scheduling priority beside spinning processes on every core)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+from workbench._src.launch.watch import Watch
+from workbench._src.placements.local.processes import ProcessGroup
+from workbench._src.placements.proc import process_cpu_wait
+
+SPIN = "while True: pass"
+
+
+HOGS_PER_CPU = 3
+
+
+@contextlib.contextmanager
+def starved(pid: int):
+    """`pid` starved of CPU: its threads under SCHED_IDLE, its session's scheduling group (Linux
+    autogroups: a member runs in a session of its own) at nice 19, and three spinning processes,
+    each in a session of its own, pinned to every CPU. It then gets well under 1% of a core."""
+    hogs = []
+    autogroup = f"/proc/{pid}/autogroup"
+    try:
+        for cpu in sorted(os.sched_getaffinity(0)):
+            for _ in range(HOGS_PER_CPU):
+                hog = subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True)
+                os.sched_setaffinity(hog.pid, {cpu})
+                hogs.append(hog)
+        if os.path.exists(autogroup):
+            with open(autogroup, "w") as f:
+                f.write("19")
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            with open(autogroup, "w") as f:
+                f.write("0")
+
+
+def test_a_starved_process_waits_for_a_cpu_and_a_stopped_one_does_not():
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN])
+    sleeper = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        time.sleep(0.5)
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        with starved(spinner.pid):
+            waits = [process_cpu_wait(p)[0] for p in (spinner.pid, sleeper.pid)]
+            time.sleep(3)
+            spinner_wait, stopped_wait = process_cpu_wait(spinner.pid), process_cpu_wait(sleeper.pid)
+        # Runnable now (what it waits is added to its delay only when it gets the CPU back).
+        assert spinner_wait[1] and spinner_wait[0] >= waits[0], (waits, spinner_wait)
+        assert not stopped_wait[1] and stopped_wait[0] - waits[1] < 0.03, (waits, stopped_wait)
+        assert process_cpu_wait(2**22 + 1) is None  # (no such pid)
+    finally:
+        for process in (spinner, sleeper):
+            process.kill()
+            process.wait()
+
+
+def test_the_watch_counts_a_starved_member_alive_and_a_stopped_one_silent(tmp_path):
+    """Watch._idle_for, the rule itself, on two real members of a process group: both silent for
+    longer than the heartbeat timeout, one starved, one stopped."""
+    (tmp_path / "spin.py").write_text(SPIN)
+    group = ProcessGroup("starved", private_network=False)
+    try:
+        members = {f"worker:{i}": group.start("worker", i, "spin", {"PYTHONPATH": str(tmp_path)}) for i in (0, 1)}
+        time.sleep(0.5)
+        os.kill(members["worker:1"].pid, signal.SIGSTOP)
+        watch = SimpleNamespace(
+            heard=dict.fromkeys(members, time.monotonic()), cpu_seen={}, cpu_at_message={},
+            launcher=SimpleNamespace(heartbeat_timeout=1.0), _child=members.__getitem__,
+        )  # fmt: skip
+        with starved(members["worker:0"].pid):
+            for task in members:  # the last message's marks
+                Watch._idle_for(watch, task, time.monotonic())
+            time.sleep(3)
+            now = time.monotonic()
+            idle = {task: Watch._idle_for(watch, task, now) for task in members}
+        assert idle["worker:0"] == 0.0  # starved: alive, its silence counts from now
+        assert idle["worker:1"] >= 3  # stopped: silent all along
+    finally:
+        group.stop()
