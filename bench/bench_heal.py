@@ -5,7 +5,9 @@ Run: python bench/bench_heal.py [--steps 3000] [--repeats 3]
 
 1. Checkpoint cost (issue 40's goal: <= 5%): the digits MLP 64-128-128-10, batch 128, trained on
    one device in this process with checkpoint_every=100 and without (the anchor), interleaved
-   `--repeats` times in one invocation; printed: each one's median steps/s and their ratio.
+   `--repeats` times in one invocation; printed: each one's median steps/s and their ratio, and
+   where a periodic save's time goes: on the run's thread (the copy at the step boundary) and on
+   the saver's thread (the write, core/checkpoints.py), median ms per save.
 2. Heal time (goal: <= 10 s on a local pool): multi-worker x2, max_restarts=1, worker 1
    SIGKILLed at step 300 of 600; printed: run.restarts[0]["seconds"] (the loss known -> the next
    step recorded: new processes, cluster join, restore, retrace) and the steps trained again.
@@ -73,9 +75,31 @@ def steps_per_sec(run) -> float:
     return (len(tail) - 1) / (tail["wall_time"].iloc[-1] - tail["wall_time"].iloc[0])
 
 
+def timed_saves() -> dict[str, list[float]]:
+    """Milliseconds of each save on the run's thread and of each background write (wraps
+    core/checkpoints.Saver: a bench may look inside)."""
+    from workbench._src.core import checkpoints
+
+    times: dict[str, list[float]] = {"on the run thread": [], "written in the background": []}
+    for name, key in (("save", "on the run thread"), ("_write_in_background", "written in the background")):
+        inner = getattr(checkpoints.Saver, name)
+
+        def timed(*args, _inner=inner, _key=key, **kwargs):
+            began = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                times[_key].append(1000 * (time.perf_counter() - began))
+
+        setattr(checkpoints.Saver, name, timed)
+    return times
+
+
 def checkpoint_cost(wb, steps: int, repeats: int) -> None:
     """Wall-clock steps/s, and this process's CPU time per step: on a busy machine the wall
-    clock varies 2-3x between runs, while the CPU a run spends varies far less."""
+    clock varies 2-3x between runs, while the CPU a run spends varies far less (it counts the
+    saver's thread too: a background write moves time off the run's thread, not off the CPU)."""
+    saves = timed_saves()
     measured: dict[str, list[float]] = {"none": [], "every 100": []}
     cpu: dict[str, list[float]] = {"none": [], "every 100": []}
     for _ in range(repeats):
@@ -102,6 +126,9 @@ def checkpoint_cost(wb, steps: int, repeats: int) -> None:
         f"  throughput ratio {wall:.3f} (cost {100 * (1 - wall):.1f}%), by CPU time {cpu_ratio:.3f} "
         f"(cost {100 * (1 - cpu_ratio):.1f}%); goal <= 5%"
     )
+    # (the first save of each run traces its functions: the medians leave it out by their count)
+    where = ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in saves.items() if v)
+    print(f"  per save (median of {len(saves['on the run thread'])}): {where}")
 
 
 def heal_time(wb, cluster=None, label="local") -> None:

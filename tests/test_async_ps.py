@@ -35,7 +35,8 @@ pytestmark = pytest.mark.usefixtures("no_orphans")
 # The order matters to the tests marked shares_warm_pool (tests/conftest.py): they hand their warm
 # pool to the next one, as a notebook's next cell would find it. One worker and one parameter
 # server: the one-device match, then the kill while checkpointing (which retires it). Two
-# workers: the loopback check, the %%replicate cell, then the killed worker (which retires it).
+# workers: the loopback check, the %%replicate cell, then the killed worker (replaced: the pool
+# stays whole and warm, and the file's end shuts it down).
 
 
 @pytest.mark.slow
@@ -73,22 +74,6 @@ def test_async_ps_parameter_server_killed_while_checkpointing_is_a_worker_error(
     with pytest.raises(wb.WorkerError, match=r"parameter server 0 .* killed by SIGKILL") as info:
         run.wait(timeout=60)
     assert info.value.run is run and len(run.history) == run.steps >= 20
-
-
-@pytest.mark.slow
-def test_async_ps_every_worker_killed_fails_within_seconds_with_the_history():
-    run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1).train(
-        setup=regression_setup, steps=10**7, steps_per_execution=5, background=True
-    )
-    wait_for_steps(run, 50)
-    for index in (0, 1):
-        os.kill(process_pid(run, "worker", index), signal.SIGKILL)
-    killed = time.monotonic()
-    with pytest.raises(wb.WorkerError, match="every async-ps worker has died") as info:
-        run.wait(timeout=60)
-    assert time.monotonic() - killed < 15
-    assert info.value.run is run and run.status == "failed"
-    assert len(run.history) == run.steps >= 50  # the history up to the failure is kept
 
 
 @pytest.mark.slow
@@ -189,7 +174,8 @@ def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
     assert run.executed_steps >= 1500  # at-least-once: lost chunks run again
     lost = [e for e in run.events if e.kind == "message" and "worker 1" in e.data.get("text", "")]
     assert lost and "killed by SIGKILL" in lost[0].data["text"]
-    assert history["workers"].iloc[0] == 2 and history["workers"].iloc[-1] == 1
+    # Dropped to 1, and up again when its replacement answered (tests/test_async_ps_heal.py).
+    assert history["workers"].iloc[0] == 2 and 1 in set(history["workers"])
     assert np.isfinite(history["loss"]).all()
 
 

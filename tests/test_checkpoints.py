@@ -173,3 +173,25 @@ def test_names_that_clash_with_the_workbench_entries(tmp_path):
         )
     with pytest.raises(wb.ConfigurationError, match=r"\['run'\] clash .*old"):
         repl.restore(tmp_path, checkpoint={"run": model})
+
+
+def test_a_periodic_checkpoint_written_in_the_background_holds_the_weights_of_its_step(tmp_path):
+    """A periodic save copies the values at its step and writes them on a thread while the next
+    steps train (short chunks: many updates land during the write). Its checkpoint equals the
+    final one of a run that stopped at that step, and its event comes before the run's end."""
+    from helpers import regression_setup
+
+    wb.NonReplicator().train(setup=regression_setup, steps=200, checkpoint_dir=tmp_path / "stopped")
+    run = wb.NonReplicator().train(
+        setup=regression_setup, steps=400, steps_per_execution=5,
+        checkpoint_dir=tmp_path / "periodic", checkpoint_every=100,
+    )  # fmt: skip
+    saved = [os.path.basename(e.data["path"]) for e in run.events if e.kind == "checkpoint"]
+    assert saved == ["ckpt-100", "ckpt-200", "ckpt-300", "ckpt-400"]
+    assert run.events[-1].kind == "ended"
+    stopped = tf.train.load_checkpoint(str(tmp_path / "stopped" / "ckpt-200"))
+    periodic = tf.train.load_checkpoint(str(tmp_path / "periodic" / "ckpt-200"))
+    floats = [k for k, d in stopped.get_variable_to_dtype_map().items() if d.is_floating]
+    assert floats
+    for key in [*floats, "step/.ATTRIBUTES/VARIABLE_VALUE"]:
+        np.testing.assert_array_equal(stopped.get_tensor(key), periodic.get_tensor(key), err_msg=key)

@@ -209,3 +209,27 @@ def test_run_on_a_process_backend_without_a_replicate_cell_says_what_to_do(panel
     panel._run_button.click()
     assert panel.run is None
     assert "needs the cell that builds it. Fix: run a %%replicate cell" in panel.status, panel.status
+
+
+@pytest.mark.usefixtures("no_orphans")  # (choosing multi-worker starts its pool in the background)
+def test_min_workers_field_is_multi_workers_and_its_magic_line_chooses_the_same_replicator(panel):
+    """The min-workers field is MultiWorkerReplicator's min_workers (elastic sync runs): only
+    multi-worker takes it; the line the panel shows carries it, and pasted it chooses the same."""
+    assert panel._min_workers.disabled and panel.min_workers == 0  # mirrored: nothing to shrink
+    panel.backend, panel.workers = "multi-worker", 3
+    assert not panel._min_workers.disabled and "--min-workers" not in panel.magic_line
+    panel._min_workers.value = 2  # as a researcher types it
+    assert panel.min_workers == 2 and "--workers 3 --min-workers 2" in panel.magic_line, panel.magic_line
+    assert session.current_or_none().plan.min_workers == 2, panel.status
+    panel._min_workers.value = 4  # more than the workers: said in the panel, nothing chosen
+    assert (
+        panel.status.startswith("error: --min-workers is the fewest workers")
+        and "--workers 4" in panel.status
+    )
+    panel._min_workers.value = 2
+    chosen = session.current_or_none()
+    line = panel.magic_line.split(" ", 1)[1].split(" --steps")[0]  # "--backend multi-worker --workers 3 ..."
+    ipython_shell().run_line_magic("replicate", line)  # pasted, it chooses the same replicator
+    assert session.current_or_none() is chosen and chosen.num_workers == 3
+    panel.backend = "async-ps"  # (async-ps goes on without a lost worker: no elastic count)
+    assert panel._min_workers.disabled and "--min-workers" not in panel.magic_line, panel.magic_line

@@ -204,12 +204,15 @@ def test_a_frozen_member_is_named_and_nothing_of_its_pool_is_left(placement):
 def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_starts_fresh(placement):
     """An async-ps run goes on without a lost worker; a stop then ends it within 10 s (it once
     hung: the coordinator's result queued behind TensorFlow's clear_session), and the next run
-    starts on a fresh pool, the last one not being whole."""
+    finds no trace of the lost worker: on Ray a fresh pool, the last one not being whole; locally
+    the worker is replaced in the run, so the pool is whole again once the new one answered
+    (kept), or not yet when the stop came (fresh)."""
     repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
     run = repl.train(setup=regression_setup, steps=1_000_000, steps_per_execution=5, background=True)
     wait_for(lambda: run.steps >= 50 or run.ended, 180, "the run to step")
     first = pids(run)
-    os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
+    victim = process_pid(run, "worker", 1)
+    os.kill(victim, signal.SIGKILL)
     wait_for(lambda: any("worker 1" in t for t in messages(run)) or run.ended, 60, "the lost worker to be said")
     steps = run.steps
     wait_for(lambda: run.steps >= steps + 10 or run.ended, 120, "the run to go on without worker 1")
@@ -217,7 +220,9 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     run.stop().wait(timeout=60)
     assert run.status == "stopped" and time.monotonic() - stopping < 10, (run.status, run.stop_reason)
     second = repl.train(setup=regression_setup, steps=10)
-    assert second.status == "finished" and not set(pids(second)) & set(first)
+    assert second.status == "finished" and victim not in pids(second), second.stop_reason
+    if placement.name == "ray":
+        assert not set(pids(second)) & set(first)
     repl.shutdown()
     wait_for(lambda: not any(alive(p) for p in pids(second)), 30, "the pool's processes to end")
 

@@ -80,3 +80,27 @@ def test_tensorflow_imported_by_the_user_after_the_workbench_is_quiet_too():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["2", "3.0"]
     assert not done.stderr.strip(), "TensorFlow's start-up lines showed:\n" + done.stderr[-3000:]
+
+
+def test_many_checkpointing_runs_in_one_process_say_nothing_of_retracing(tmp_path):
+    # Each run compiles its checkpoint's save for its own variables; from the 5th such run in a
+    # process TensorFlow warned that this code "triggered tf.function retracing", in red. The
+    # user's own retraced functions still warn: the last lines make one on purpose.
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "import workbench as wb\n"
+        "from toy_models import mlp_setup\n"
+        "for i in range(7):\n"
+        "    wb.replicator('single').train(setup=mlp_setup, steps=30, checkpoint_dir=f'{sys.argv[2]}/c{i}',"
+        " checkpoint_every=10)\n"
+        "import tensorflow as tf\n"
+        "for i in range(7):\n"
+        "    tf.function(lambda x: x + 1)(tf.constant(i))\n"
+    )
+    tests = os.path.dirname(__file__)
+    done = subprocess.run(
+        [sys.executable, "-c", code, tests, str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [line for line in done.stderr.splitlines() if "triggered tf.function retracing" in line]
+    assert warned and all("<lambda>" in line for line in warned), done.stderr[-3000:]

@@ -13,6 +13,7 @@ from workbench._src.backends.worker_watch import WorkerWatch
 from workbench._src.core.errors import InputError, WorkerError
 from workbench._src.core.inputs import InputContext, call_input_fn
 from workbench._src.core.program import Program, _is_infinite, call_compiled
+from workbench._src.core.run_stats import heal_line
 from workbench._src.core.tf_setup import tf
 
 # Seconds the chunks in flight when a worker is declared lost may still come back: those on the
@@ -269,9 +270,32 @@ class CoordinatorExecutor:
 
     def _check_servers(self) -> None:
         if self.repl.servers is not None:  # (a real cluster's servers are not ours to watch)
-            self.repl.servers.check(self.run)
+            for replacement in self.repl.servers.check(self.run):
+                self._record_replacement(replacement)
         elif self.watch is not None:
             self._say_worker_changes()
+
+    def _record_replacement(self, replacement) -> None:
+        """A lost worker's replacement answers (placements/local/servers.py): the run is whole
+        again. It is a heal in run.restarts, marked on the step axis as a restart is, but nothing
+        was resumed or re-run (the other workers went on): `step` is the step it rejoined at."""
+        run = self.run
+        if run is None:
+            return
+        record = {
+            "member": f"worker {replacement.index}",
+            "cause": replacement.cause,
+            "step": run.steps,
+            "seconds": round(replacement.seconds, 2),  # from the loss to the new worker answering
+            "lost_at": replacement.lost_step,
+            "replaced": True,
+        }
+        run.restarts.append(record)
+        new = {"role": "worker", "index": replacement.index, "pid": replacement.child.pid}
+        run.publish(
+            "restart", run_step=run.steps, snapshot=run.snapshot, process=new, **record
+        )  # (no rows go)
+        run.publish("message", text=heal_line(record, run.restarts))
 
     def explain(self, error: BaseException) -> BaseException:
         """A failure while a server is dying (e.g. during a checkpoint save) is the server's death."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import threading
 
 from workbench._src import compat
 from workbench._src.core.errors import ConfigurationError, WorkerError
@@ -65,6 +67,10 @@ class Saver:
         )
         self.files = CheckpointFiles(os.fspath(write_directory or directory))
         self._write = None  # the compiled write, traced at the first save
+        self._copy_and_write = None  # the same in two parts (copy, write): for a background write
+        self._traced_write = None  # its write, traced
+        self._writing: threading.Event | None = None  # set when the background write is done
+        self._write_error: BaseException | None = None  # what the last background write raised
         # What the run loop is training towards: saved so that a resumed run given the same
         # steps finishes this one (0: nothing unfinished, e.g. once the run has finished).
         self.goal_step = 0
@@ -94,20 +100,117 @@ class Saver:
         """The last checkpoint this saver wrote (None before its first save)."""
         return self.files.latest
 
-    def save(self) -> str | None:
+    def save(self, background: bool = False, on_saved=None) -> str | None:
+        """Saves the current step; returns its path once it is whole, or None when nothing is new
+        or (background=True) it is being written on a thread: `on_saved(path)` is called there
+        when it is whole. A background save copies the values here, at the step boundary (reads
+        share the variables' buffers, and TensorFlow copies a buffer before updating it while a
+        read holds it), and leaves the write (SaveV2, the `checkpoint` state file) to the thread,
+        so training goes on meanwhile. Every save first waits for the one still being written."""
+        self.wait(raise_error=True)
         mark = (self.program.steps_done, self.goal_step)
         if self.files.latest and self._saved == mark:
             return None  # nothing new since the last save
         t = tf()
         self.step.assign(self.program.steps_done)
         self.state.set(self.program.input_position, self.goal_step, self.asked_steps)
+        path = self.files.path(self.program.steps_done)
+        if background and self._write is not None:  # (the first save traces, here)
+            if self._copy_and_write is None:
+                self._copy_and_write = _copy_then_write(self.step_checkpoint)
+            if self._copy_and_write:
+                copy, write = self._copy_and_write
+                values = copy()
+                if self._traced_write is None:  # traced here, on the run's thread, as the first save
+                    self._traced_write = write.get_concrete_function(t.constant(path), values)
+                self._saved = mark
+                self._writing = threading.Event()
+                _in_background(self._write_in_background, self._traced_write, path, values, on_saved)
+                return None
         if self._write is None:
             self._write = t.function(_single_file_write(self.step_checkpoint))
-        path = self.files.path(self.program.steps_done)
         self._write(t.constant(path))
         self.files.saved(path)
         self._saved = mark
         return path
+
+    def _write_in_background(self, write, path: str, values, on_saved) -> None:
+        try:
+            write(tf().constant(path), values)
+            self.files.saved(path)
+        except BaseException as error:  # noqa: BLE001 - raised by the next save, on the run's thread
+            self._write_error = error
+            return
+        finally:
+            self._writing.set()
+        if on_saved is not None:
+            on_saved(path)
+
+    def wait(self, raise_error: bool = False) -> None:
+        """Returns once no save is being written; raise_error: raises what a background write
+        raised (else it stays for the next save to raise)."""
+        if self._writing is not None:
+            self._writing.wait()
+            self._writing = None
+        if raise_error and self._write_error is not None:
+            error, self._write_error = self._write_error, None
+            raise error
+
+
+# One writer thread for every run of the process, started at the first background save: handing
+# it a write costs the run's thread microseconds, where starting a thread per save took up to
+# milliseconds on a loaded machine (the start waits for the new thread to be scheduled).
+_writes: queue.SimpleQueue = queue.SimpleQueue()
+_writer_lock = threading.Lock()
+_writer: threading.Thread | None = None
+
+
+def _in_background(function, *args) -> None:
+    global _writer
+    with _writer_lock:
+        if _writer is None or not _writer.is_alive():
+            _writer = threading.Thread(target=_write_forever, name="workbench checkpoint writer", daemon=True)
+            _writer.start()
+    _writes.put((function, args))
+
+
+def _write_forever() -> None:
+    while True:
+        function, args = _writes.get()
+        function(*args)
+
+
+def _copy_then_write(checkpoint):
+    """(copy, write): `copy()` counts the save and returns a copy of every value to save (called
+    at the step boundary); `write(prefix, values)` writes them as _single_file_write does. False
+    where the save is not one plain tensor per key (compat.checkpoint_tensors_by_key): those
+    saves stay whole on the run's thread."""
+    t = tf()
+    counter = checkpoint.save_counter
+    keys: list[str] = []
+
+    def copy():
+        counter.assign_add(1)
+        tensors = compat.checkpoint_tensors_by_key(checkpoint)
+        if tensors is None:
+            return []
+        keys[:] = sorted(tensors)
+        return [t.identity(tensors[k]) for k in keys]
+
+    copy = t.function(copy)
+    copy.get_concrete_function()  # (traced now: the keys are known from here on)
+    if not keys:
+        return False
+
+    def write(prefix, values):
+        with t.device("/cpu:0"):
+            saved = t.raw_ops.SaveV2(
+                prefix=prefix, tensor_names=keys, shape_and_slices=[""] * len(keys), tensors=values
+            )
+            with t.control_dependencies([saved]):
+                return t.identity(prefix)
+
+    return copy, t.function(write)
 
 
 def _single_file_write(checkpoint):

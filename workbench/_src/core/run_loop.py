@@ -149,6 +149,8 @@ class ChunkLoop:
                 self._save(final=True, failing=True)
             raise with_checkpoint_hint(error, self.saver) from None
         finally:
+            if self.saver:  # (a periodic save still being written: its event comes before the end)
+                self.saver.wait()
             self.executor.close()
         if self.saver and status != "non-finite":
             if status != "preempted":  # (a preempted run's checkpoint keeps its goal: it is resumed)
@@ -169,7 +171,9 @@ class ChunkLoop:
         for note in restored.notes:  # said once, where the resume happens
             warnings.warn(f"{run.name}: {note}.", RuntimeWarning, stacklevel=2)
             run.publish("message", text=note)
-        self.steps, said = steps_to_run(self.opts.steps, restored.step, restored.goal_step, restored.asked_steps)
+        self.steps, said = steps_to_run(
+            self.opts.steps, restored.step, restored.goal_step, restored.asked_steps
+        )
         if said:
             run.config["steps"] = self.steps
             run.publish("message", text=said)
@@ -222,7 +226,9 @@ class ChunkLoop:
                 if stopping:
                     if stop_kind == PREEMPT and not run._preempted:
                         who = getattr(program.replicator, "preempted_workers", None)
-                        run.preempt(f"worker {who[0]} was preempted" if who else "another process was preempted")
+                        run.preempt(
+                            f"worker {who[0]} was preempted" if who else "another process was preempted"
+                        )
                     run.stop()  # (another worker may have asked: stop here too)
                     break
                 submitted = time.perf_counter()  # before: an in-process submit runs the chunk
@@ -303,13 +309,10 @@ class ChunkLoop:
             status, reason = "stopped", run.stopped_reason(program.steps_done - first_step)
             if run._preempted:
                 status = "preempted"
-                reason = (
-                    f"preempted at step {program.steps_done - first_step} ({run._preempted})"
-                    + (
-                        "; its checkpoint keeps the run's goal: run it again with the same steps to finish it"
-                        if self.saver
-                        else "; no checkpoint_dir was given, so nothing was saved"
-                    )
+                reason = f"preempted at step {program.steps_done - first_step} ({run._preempted})" + (
+                    "; its checkpoint keeps the run's goal: run it again with the same steps to finish it"
+                    if self.saver
+                    else "; no checkpoint_dir was given, so nothing was saved"
                 )
         return status, reason
 
@@ -373,7 +376,10 @@ class ChunkLoop:
         if not self.saver:
             return
         try:
-            path = self.saver.save()
+            # A periodic save is written on the saver's thread while training goes on; its event
+            # comes once it is whole (a heal resumes from what the events name). The final one is
+            # written here, after any still being written.
+            path = self.saver.save(background=not final, on_saved=self._saved_in_background)
         except BaseException as error:  # noqa: BLE001
             if failing:  # the run is failing already: its own error is the one to show
                 self.run.publish(
@@ -383,3 +389,6 @@ class ChunkLoop:
             raise self.executor.explain(error) from None
         if path:
             self.run.publish("checkpoint", path=path, final=final)
+
+    def _saved_in_background(self, path: str) -> None:
+        self.run.publish("checkpoint", path=path, final=False)

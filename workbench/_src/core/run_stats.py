@@ -232,7 +232,15 @@ def shown_reason(status: str | None, reason: str | None) -> str | None:
 def heal_line(record: dict, restarts: list) -> str:
     """One line for the dashboard and the sidebar: "worker 1 lost (killed by SIGKILL) at step
     312: restarted from step 300, 6.1 s (restart 1)"; an elastic run that went on with fewer
-    workers adds ", continued on 1 of 2 workers"."""
+    workers adds ", continued on 1 of 2 workers". An async-ps worker replaced while the others went
+    on (nothing resumed): "worker 1 lost (killed by SIGKILL) at step 312: replaced at step 340, 2.8
+    s; the other workers went on (restart 1)"."""
+    if record.get("replaced"):
+        return (
+            f"{record['member']} lost ({record['cause']}) at step {record.get('lost_at')}: replaced at "
+            f"step {record['step']}, {record['seconds']:.1f} s; the other workers went on "
+            f"(restart {len(restarts)})"
+        )
     where = f"step {record['step']}" if record["step"] is not None else "the start"
     seconds = f", {record['seconds']:.1f} s" if record.get("seconds") is not None else ""
     lost_at = record.get("lost_at")

@@ -74,8 +74,21 @@ def _import_tensorflow():
     tf_logger = logging.getLogger("tensorflow")
     if tf_logger.level in (logging.NOTSET, logging.INFO, logging.DEBUG):
         tf_logger.setLevel(logging.WARNING)
+    tf_logger.addFilter(_own_retracing_hidden)
     _module = tensorflow
     return tensorflow
+
+
+# Functions of ours compiled once per run by design (a checkpoint's save is compiled for its own
+# variables): TensorFlow counts traces by the Python code, so from the 5th checkpointing run in a
+# process it warned, in red, that this code "triggered tf.function retracing". The user's own
+# functions still get the warning.
+OWN_PER_RUN_FUNCTIONS = ("_single_file_write.<locals>.", "_copy_then_write.<locals>.")
+
+
+def _own_retracing_hidden(record) -> bool:
+    text = record.getMessage()
+    return not ("triggered tf.function retracing" in text and any(f in text for f in OWN_PER_RUN_FUNCTIONS))
 
 
 # `import tensorflow` imports Keras (TensorFlow's __init__ loads it eagerly), and Keras imports

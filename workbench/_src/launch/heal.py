@@ -137,6 +137,20 @@ class Healing:
             self.scratch = None
 
 
+def replaced_in_run(run, pool, processes: list[dict], data: dict) -> None:
+    """An async-ps worker the coordinator replaced while the others went on (its "restart" event,
+    backends/async_coordinator.py): a heal in the notebook's Run with nothing rewound, and the new
+    server a process of the pool and of the run, so the pool is whole again and stays warm."""
+    record = {k: v for k, v in data.items() if k not in ("run_step", "snapshot", "process")}
+    run.restarts.append(record)
+    run.publish("restart", run_step=run.steps, snapshot=run.snapshot, **record)
+    new = data.get("process")
+    if new:
+        pool.extra[:] = [p for p in pool.extra if (p["role"], p["index"]) != (new["role"], new["index"])]
+        pool.extra.append(new)
+        processes.append(new)
+
+
 def preempted_member_name(reason: str | None) -> str | None:
     """'worker 1' from a preempted run's reason ("(SIGTERM to worker 1)", "(worker 1 was preempted)")."""
     found = _PREEMPTED_MEMBER.search(reason or "")

@@ -14,6 +14,7 @@ import time
 from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.tracebacks import full_tracebacks
+from workbench._src.launch.heal import replaced_in_run
 from workbench._src.launch.start_progress import phase_text, startup_phases
 
 # The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
@@ -181,6 +182,8 @@ class Watch:
             run.publish(
                 "started", name=run.name, config=run.config, first_step=data.get("first_step", 1), steps=steps
             )
+        elif event_kind == "restart" and data.get("replaced"):  # an async-ps worker replaced, no rewind
+            replaced_in_run(run, self.pool, self.launcher.last_processes, data)
         elif event_kind in ("checkpoint", "message"):
             run.publish(event_kind, **data)
             elastic = self.launcher.elastic

@@ -23,6 +23,8 @@ from workbench._src.notebook.session import equivalent_magic  # (re-exported: te
 from workbench._src.placements.ray.cluster import RayCluster
 from workbench._src.sinks.dashboard import Dashboard
 
+CHOICES = ("backend", "replicas", "workers", "ps", "steps", "cluster", "max_restarts", "min_workers")
+
 
 class Panel(w.VBox):
     """Devices found; backend, replicas, sync/async, workers, steps; Run / Stop; the magic line."""
@@ -33,6 +35,7 @@ class Panel(w.VBox):
     ps = traitlets.Int(1, help="parameter servers (async-ps)")
     steps = traitlets.Int(300, help="steps Run trains")
     max_restarts = traitlets.Int(0, min=0, help="heals of a run on worker processes (0: a lost one ends it)")
+    min_workers = traitlets.Int(0, min=0, help="multi-worker: fewest workers a heal goes on with (0: all)")
     magic_line = traitlets.Unicode("", help="the %replicate line that does what Run does")
     status = traitlets.Unicode("", help="what the panel last did, or why it could not")
     pool_text = traitlets.Unicode("", help="the warm worker pools of this kernel ('' when none)")
@@ -89,7 +92,7 @@ class Panel(w.VBox):
                 raise traitlets.TraitError(str(e)) from None
         return value
 
-    @traitlets.observe("backend", "replicas", "workers", "ps", "steps", "cluster", "max_restarts")
+    @traitlets.observe(*CHOICES)
     def _on_choice(self, change):
         self._sync_widgets()
         if (
@@ -100,7 +103,8 @@ class Panel(w.VBox):
     def apply(self):
         """Sets the session's replicator from the panel's choice (as the magic does); returns it."""
         try:
-            repl = session.choose(self.backend, *self._counts(), cluster=self._cluster_choice())
+            elastic = {"min_workers": (self.min_workers or None) if self._elastic else None}
+            repl = session.choose(self.backend, *self._counts(), cluster=self._cluster_choice(), **elastic)
         except Exception as e:  # noqa: BLE001 - shown in the panel, a button has no traceback
             self.status = f"error: {e}"
             return None
@@ -274,6 +278,11 @@ class Panel(w.VBox):
             tooltip="max_restarts: how often a run on worker processes heals itself after a lost "
             "worker (restarted from its last checkpoint); 0: a lost worker ends the run",
         )  # fmt: skip
+        self._min_workers = w.BoundedIntText(
+            min=0, max=256, description="min workers", layout=w.Layout(width="170px"),
+            tooltip="min_workers (multi-worker, with restarts): when a heal finds no room for every "
+            "worker (a Ray node gone), go on with fewer, not below this; 0: always every worker",
+        )  # fmt: skip
         self._cluster = w.Combobox(
             options=["ray=local", "ray"],
             placeholder="this machine",
@@ -292,6 +301,7 @@ class Panel(w.VBox):
             (self._ps, "ps"),
             (self._steps, "steps"),
             (self._max_restarts, "max_restarts"),
+            (self._min_workers, "min_workers"),
         ):
             widget.observe(lambda c, trait=trait: self._set_from_widget(trait, c["new"]), "value")
         self._run_button = w.Button(
@@ -319,7 +329,7 @@ class Panel(w.VBox):
             w.HBox([w.Label("mode"), self._sync_button, self._async_button]),
             self._reasons,
             w.HBox([self._replicas, self._workers, self._ps, self._steps]),
-            w.HBox([self._cluster, self._max_restarts, self._cluster_info]),
+            w.HBox([self._cluster, self._max_restarts, self._min_workers, self._cluster_info]),
             w.HBox([self._run_button, self._stop_button]),
             self._status,
             self._pool_row,
@@ -369,11 +379,12 @@ class Panel(w.VBox):
             self._cluster.value, self._cluster.disabled = self.cluster, not spec.takes_workers
             self._max_restarts.value = self.max_restarts
             self._max_restarts.disabled = not spec.takes_workers  # heals replace worker processes
+            self._min_workers.value, self._min_workers.disabled = self.min_workers, not self._elastic
         finally:
             self._syncing = False
         self.magic_line = equivalent_magic(
             self.backend, self.replicas, self.workers, self.ps, self.cluster, steps=self.steps,
-            max_restarts=self.max_restarts,
+            max_restarts=self.max_restarts, min_workers=(self.min_workers or None) if self._elastic else None,
         )  # fmt: skip
         where = (
             "first line of the %%replicate cell that builds the model"
@@ -391,6 +402,10 @@ class Panel(w.VBox):
             self.workers if spec.takes_workers else None,
             self.ps if spec.takes_ps else None,
         )
+
+    @property
+    def _elastic(self) -> bool:  # min_workers: synchronous runs on worker processes (multi-worker)
+        return self._spec.takes_workers and self._spec.synchronous
 
     @property
     def _spec(self):

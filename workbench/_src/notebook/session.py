@@ -157,6 +157,7 @@ def magic_line(
     cluster: str | None = None,
     cell: bool = False,
     max_restarts: int | None = None,
+    min_workers: int | None = None,
 ) -> str:
     """The `%replicate` line that does the same as these options (shown by the panel to copy);
     cell=True: the first line of a `%%replicate` cell (which names no functions)."""
@@ -167,6 +168,7 @@ def magic_line(
     for flag, value in (
         ("--replicas", num_replicas),
         ("--workers", num_workers),
+        ("--min-workers", min_workers),
         ("--ps", num_ps),
         ("--cluster", cluster),
         ("--steps", steps),
@@ -252,6 +254,7 @@ def equivalent_magic(
     *,
     steps: int,
     max_restarts: int = 0,
+    min_workers: int | None = None,
 ) -> str:
     """The magic that does what Run does with this choice (the panel's counts that the backend
     takes). A process backend builds the model in each of its processes, from the cell that
@@ -265,7 +268,8 @@ def equivalent_magic(
     )
     where = (cluster or None) if spec.takes_workers else None
     restarts = (max_restarts or None) if spec.takes_workers else None
+    elastic = min_workers if spec.takes_workers and spec.synchronous else None
     return magic_line(
         backend, *counts, steps=steps, background=True, cluster=where, cell=spec.in_processes,
-        max_restarts=restarts,
+        max_restarts=restarts, min_workers=elastic,
     )  # fmt: skip

@@ -55,12 +55,16 @@ _MAX_MESSAGE = 1 << 20
 _IMPORT_TIME_PREFIXES = ("TF_", "XLA_", "CUDA", "LD_", "PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "KERAS")
 # TensorFlow's own import sets the two KMP_ variables (for Intel's OpenMP): a launcher that has
 # imported it has them, a fork server started before that has them too once it has imported.
+# ParameterServerStrategy sets the last two in the coordinator as it connects (client settings,
+# read when it runs functions): the coordinator's replacement of a lost worker server inherits them.
 _IMPORT_TIME_EXEMPT = (
     "TF_CONFIG",
     "CUDA_VISIBLE_DEVICES",
     "PYTHONUNBUFFERED",
     "KMP_DUPLICATE_LIB_OK",
     "KMP_INIT_AT_FORK",
+    "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE",
+    "TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY",
 )
 
 

@@ -2,19 +2,44 @@
 
 Started by the async-ps coordinator process (never by the notebook) as its own children, in its
 private network: `python -m workbench._src.placements.local.server_main`, one per task of the cluster
-spec. The coordinator watches them once per chunk: a dead parameter server ends the run, a dead
-worker is reported once and the run goes on with the others.
+spec. The coordinator watches them once per chunk: a dead parameter server ends the run; a dead
+worker is reported once, the run goes on with the others, and a new server is started at the
+dead one's address. TensorFlow's ClusterCoordinator waits for a lost worker to come back at its
+address (cluster_coordinator.WorkerPreemptionHandler: `update_server_def` once it answers), then
+rebuilds that worker's iterators and schedules on it again, so the replacement needs nothing from
+the run: it rejoins as the worker it replaces.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
 import time
+from dataclasses import dataclass
 
 from workbench._src.core.errors import WorkerError
 from workbench._src.placements.local.processes import ProcessGroup, free_ports, port_open
 
 SERVER_MODULE = "workbench._src.placements.local.server_main"
+# A worker that keeps dying (a crash in an op it runs, the machine's memory) is not replaced more
+# than this many times in one run: past it the run goes on without it, and says so.
+REPLACEMENTS_PER_WORKER = 3
+
+
+@dataclass
+class Replacement:
+    """A worker server started in place of a lost one, from its loss until it answers."""
+
+    index: int
+    lost_pid: int
+    cause: str  # how the lost one ended ("killed by SIGKILL")
+    lost_step: int  # the run's step when the loss was seen
+    lost_at: float  # time.monotonic() then
+    child: object  # processes.Child of the new server
+    seconds: float | None = None  # from the loss to the new server answering
 
 
 class LocalServers:
@@ -33,6 +58,10 @@ class LocalServers:
         env = {"WORKBENCH_CLUSTER": json.dumps(self.cluster), "CUDA_VISIBLE_DEVICES": ""}
         if threads:
             env["WORKBENCH_WORKER_THREADS"] = str(threads)
+        self.env = env  # (a replacement server starts with the same)
+        self.replacing: dict[int, Replacement] = {}  # worker index -> its replacement, until it answers
+        self._replaced: dict[int, int] = {}  # worker index -> replacements made in the current run
+        self._run_id = None  # the run those counts are for
         self.started = time.monotonic()
         self.startup_timeout = startup_timeout
         self.startup_seconds: float | None = None  # until listening
@@ -84,11 +113,22 @@ class LocalServers:
         return [{"role": c.role, "index": c.index, "pid": c.pid} for c in self.group.children]
 
     def live_workers(self) -> int:
-        return len([c for c in self.group.children if c.role == "worker" and c.popen.poll() is None])
+        """Worker servers alive and answering (a replacement counts once it answers)."""
+        starting = {r.child.pid for r in self.replacing.values()}
+        return len(
+            [
+                c
+                for c in self.group.children
+                if c.role == "worker" and c.popen.poll() is None and c.pid not in starting
+            ]
+        )
 
-    def check(self, run=None) -> None:
-        """Raises for a dead parameter server, or when no worker is left; reports dead workers
-        once (the run goes on with the others)."""
+    def check(self, run=None) -> list[Replacement]:
+        """Raises for a dead parameter server, or when no worker is left nor coming; reports dead
+        workers once and starts their replacements (the run goes on with the others). Returns the
+        replacements that answered since the last call (each once)."""
+        if run is not None and run.id != self._run_id:
+            self._run_id, self._replaced = run.id, {}
         for child in self.group.unexpected_exits():
             child.expected_exit = True  # reported once
             if child.role == "ps":
@@ -97,20 +137,79 @@ class LocalServers:
                     "variables it held are gone, so asynchronous training cannot go on.",
                     task=f"ps {child.index}",
                 )
-            if run is not None:
-                alive = self.live_workers()
-                run.publish(
-                    "message",
-                    text=f"worker {child.index} (pid {child.pid}) {child.exit_description()} at step "
-                    f"{run.steps}; {alive} worker(s) left"
-                    + (": the coordinator runs its unfinished steps on them" if alive else ""),
-                    worker_lost=child.index,
-                )
-        if self.live_workers() == 0:
+            self._worker_lost(child, run)
+        answered = self._replacements_answered(run)
+        if self.live_workers() == 0 and not self.replacing:
             raise WorkerError(
-                f"every async-ps worker has died (all {self.num_workers}); training cannot go on.",
+                f"every async-ps worker has died (all {self.num_workers}) and none could be replaced; "
+                "training cannot go on. Fix: look for what ends the worker processes (their memory, "
+                "an op that crashes) and run again, from the last checkpoint if you saved one.",
                 task="worker",
             )
+        return answered
+
+    def _worker_lost(self, child, run) -> None:
+        index, step = child.index, (run.steps if run is not None else 0)
+        self.replacing.pop(index, None)  # (a replacement that died before it answered: lost too)
+        made = self._replaced.get(index, 0)
+        replace = made < REPLACEMENTS_PER_WORKER
+        if replace:
+            self._replaced[index] = made + 1
+            new = self.group.start("worker", index, SERVER_MODULE, self.env)
+            self.replacing[index] = Replacement(
+                index, child.pid, child.exit_description(), step, time.monotonic(), new
+            )
+        if run is None:
+            return
+        alive = self.live_workers()
+        address = self.cluster["worker"][index]
+        then = (
+            f"a new worker {index} starts at {address}"
+            if replace
+            else f"it is not replaced again: lost {made + 1} times in this run, something ends it "
+            f"(its log's end: {child.log_tail(3) or 'empty'})"
+        )
+        run.publish(
+            "message",
+            text=f"worker {index} (pid {child.pid}) {child.exit_description()} at step {step}; {alive} "
+            f"worker(s) left"
+            + (": the coordinator runs its unfinished steps on them" if alive else "")
+            + f"; {then}",
+            worker_lost=index,
+        )
+
+    def _replacements_answered(self, run) -> list[Replacement]:
+        """The replacements listening now; one not listening within startup_timeout is stopped."""
+        answered = []
+        for index, replacement in list(self.replacing.items()):
+            new = replacement.child
+            if new.popen.poll() is not None:
+                continue  # (unexpected_exits reports it as a loss of its own)
+            port = int(self.cluster["worker"][index].rsplit(":", 1)[1])
+            if self.group.port_open(port):
+                replacement.seconds = time.monotonic() - replacement.lost_at
+                del self.replacing[index]
+                answered.append(replacement)
+            elif time.monotonic() - replacement.lost_at > self.startup_timeout:
+                del self.replacing[index]
+                new.expected_exit = True
+                _end(new)
+                if run is not None:
+                    run.publish(
+                        "message",
+                        text=f"the new worker {index} (pid {new.pid}) did not answer within startup_timeout="
+                        f"{self.startup_timeout:.0f} s: stopped; the run goes on with {self.live_workers()} "
+                        "worker(s)",
+                    )
+        return answered
 
     def stop(self) -> None:
         self.group.stop(grace=1.0)
+
+
+def _end(child) -> None:
+    """Stops one server that never answered (SIGKILL: it serves nothing yet) and reaps it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(child.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.popen.wait(timeout=5)

@@ -1,0 +1,121 @@
+"""A lost async-ps worker is replaced while the others go on: real servers, a real SIGKILL.
+
+The coordinator (a process the launcher starts) starts a new worker server at the lost one's
+address; TensorFlow's ClusterCoordinator reconnects to it there. What is asserted is what
+happened: the `workers` column's drop and rise, the steps recorded, the heal in run.restarts,
+and CPU time the new server spent on the run's steps. Each check looks only at the processes
+the run started (run.processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+from helpers import process_pid, regression_setup, wait_for_steps
+
+import workbench as wb
+from workbench._src.placements.local.servers import REPLACEMENTS_PER_WORKER
+from workbench._src.placements.proc import process_cpu_seconds
+
+pytestmark = pytest.mark.usefixtures("no_orphans")
+
+
+def _wait_until(condition, run, timeout=120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and run.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert condition(), f"run at step {run.steps}: {run.status} {run.stop_reason}"
+
+
+@pytest.mark.slow
+def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on():
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+    run = repl.train(setup=regression_setup, steps=10**6, steps_per_execution=5, background=True)
+    try:
+        wait_for_steps(run, 100)
+        killed = process_pid(run, "worker", 1)
+        os.kill(killed, signal.SIGKILL)
+        rows_at_kill = run.steps
+        # The replacement answers, TensorFlow's coordinator schedules on it again.
+        _wait_until(lambda: run.restarts, run)
+        new = next(
+            p["pid"]
+            for p in run.processes
+            if p["role"] == "worker" and p["index"] == 1 and p["pid"] != killed
+        )
+        cpu_at_join, rows_at_join = process_cpu_seconds(new), run.steps
+        _wait_until(lambda: run.steps >= rows_at_join + 300, run)
+        cpu_later = process_cpu_seconds(new)
+    finally:
+        run.stop()
+        run.wait(timeout=60)
+    assert run.status == "stopped", run.stop_reason
+    history = run.history
+    assert list(history["step"]) == list(range(1, run.steps + 1))  # every step once
+    workers = list(history["workers"])
+    assert workers[:rows_at_kill] == [2] * rows_at_kill
+    # Dropped within a few rows of the kill (the chunks in flight then: 2 per worker of 5 steps),
+    # up again once the new server answered, and 2 to the end.
+    dropped = workers.index(1)
+    assert rows_at_kill <= dropped <= rows_at_kill + 4 * 5 * 2, (rows_at_kill, dropped)
+    rose = workers.index(2, dropped)
+    assert set(workers[dropped:rose]) == {1} and set(workers[rose:]) == {2}
+    (heal,) = run.restarts
+    assert heal["member"] == "worker 1" and heal["cause"] == "killed by SIGKILL" and heal["replaced"]
+    assert heal["lost_at"] <= dropped + 1 and heal["step"] >= heal["lost_at"] and heal["seconds"] > 0
+    texts = [e.data.get("text", "") for e in run.events if e.kind == "message"]
+    assert any("worker 1 lost (killed by SIGKILL)" in t and "replaced at step" in t for t in texts)
+    restart_events = [e for e in run.events if e.kind == "restart"]
+    assert len(restart_events) == 1 and restart_events[0].data["run_step"] >= heal["lost_at"]
+    # The new server trains: it spent CPU time on the run's steps after it joined.
+    assert cpu_later - cpu_at_join > 0.05, (cpu_at_join, cpu_later)
+    assert run.executed_steps >= run.steps  # at-least-once: the lost chunks ran again
+    # The pool is whole again, so the next run finds it warm: the same coordinator, the new worker.
+    again = repl.train(setup=regression_setup, steps=20)
+    assert again.status == "finished", again.stop_reason
+    assert process_pid(again, "coordinator", 0) == process_pid(run, "coordinator", 0)
+    assert new in {p["pid"] for p in again.processes} and killed not in {p["pid"] for p in again.processes}
+
+
+@pytest.mark.slow
+def test_every_worker_killed_is_replaced_until_they_keep_dying_then_the_run_fails_with_its_history():
+    run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1).train(
+        setup=regression_setup, steps=10**7, steps_per_execution=5, background=True
+    )
+    killed: set[int] = set()
+
+    def kill_every_worker_of_the_run() -> None:
+        for p in list(run.processes):  # (a replacement joins the list once it answers)
+            if p["role"] == "worker" and p["pid"] not in killed:
+                killed.add(p["pid"])
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p["pid"], signal.SIGKILL)
+
+    try:
+        wait_for_steps(run, 50)
+        kill_every_worker_of_the_run()  # both at once: both replaced, the run goes on
+        _wait_until(lambda: len(run.restarts) == 2, run)
+        rows = run.steps
+        _wait_until(lambda: run.steps >= rows + 50, run)
+        # Then every new worker is killed as soon as it answers: past REPLACEMENTS_PER_WORKER
+        # losses each, none is replaced and the run fails (a crash loop is said, not looped).
+        deadline = time.monotonic() + 120
+        while run.running and time.monotonic() < deadline:
+            kill_every_worker_of_the_run()
+            time.sleep(0.05)
+        with pytest.raises(
+            wb.WorkerError, match=r"every async-ps worker has died .* none could be replaced"
+        ) as info:
+            run.wait(timeout=60)
+    finally:
+        run.stop()
+    assert info.value.run is run and run.status == "failed"
+    assert len(run.restarts) == 2 * REPLACEMENTS_PER_WORKER
+    assert {r["member"] for r in run.restarts} == {"worker 0", "worker 1"}
+    assert list(run.history["step"]) == list(range(1, run.steps + 1))  # the history up to the failure
+    texts = [e.data.get("text", "") for e in run.events if e.kind == "message"]
+    assert any("it is not replaced again" in t for t in texts)
