@@ -156,6 +156,44 @@ def test_the_layer_check_counts_relative_imports_and_imports_in_functions():
     assert {_layer(t) for t in found} >= {"core", "sinks"}
 
 
+def _placement_uses(name: str, tree: ast.AST) -> list[str]:
+    """What of `workbench._src.placements` module `name` reaches: any import of it (absolute or
+    relative, at module level or in a function) and any string naming one of its modules (an
+    importlib path)."""
+    placements = f"{SRC}.placements"
+    uses = sorted(t for t in _imported_anywhere(name, tree) if t == placements or t.startswith(placements + "."))
+    uses += [
+        repr(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(placements)
+    ]
+    return uses
+
+
+def test_no_backend_imports_a_placement():
+    # Backends declare roles and one TF_CONFIG builder (launch/placement.py MemberPlan); which
+    # placement places them is chosen in launch/ from what `cluster=` names.
+    found = {
+        str(MODULES[name].relative_to(PACKAGE.parent)): uses
+        for name, tree in TREES.items()
+        if _layer(name) == "backends" and (uses := _placement_uses(name, tree))
+    }
+    assert found == {}, "a backend declares roles (launch/placement.py Role), never a placement"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from workbench._src.placements.ray.cluster import RayCluster",
+        "def f():\n    from ..placements.local import processes",
+        "import workbench._src.placements.local.servers",
+        "importlib.import_module('workbench._src.placements.local.servers')",
+    ],
+)
+def test_the_placement_check_finds_each_kind(source):
+    assert _placement_uses("workbench._src.backends.remote", ast.parse(source))
+
+
 MAX_MODULE_LINES = 450  # a module past ~400 lines is a smell (STYLE.md): split it by concept
 MAX_LAUNCH_LINES = 3000  # the process layer above the placements (launch/), all of it
 

@@ -8,10 +8,11 @@ Where the coordinator runs:
   - with a real cluster (`cluster=`), in the process that makes the replicator (as TensorFlow's
     own examples do);
   - with cluster=None, never in the notebook: there the constructor returns a RemoteReplicator
-    (backends/remote.py) whose plan (`AsyncPsPlan`) launches one coordinator process, which
-    starts the parameter servers and workers as local TensorFlow servers (placements/local/servers.py) and
-    trains the cell or setup it is sent, like a multi-worker launch. Connecting a process to a cluster renames its
-    TensorFlow job and fills its log with gRPC errors at shutdown: the kernel stays clean.
+    (backends/remote.py) whose plan (`AsyncPsPlan`) declares one coordinator process and the
+    parameter servers and workers (on one host the coordinator starts them as its own children:
+    `Role.started_by`), and the coordinator trains the cell or setup it is sent, like a
+    multi-worker launch. Connecting a process to a cluster renames its TensorFlow job and fills
+    its log with gRPC errors at shutdown: the kernel stays clean.
 
 What asynchronous training changes, and how the workbench deals with it:
   - no replica steps with another, so the cross-replica primitives (all_sum, broadcast, ...)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import logging
 import weakref
 
@@ -43,10 +45,8 @@ from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.tf_setup import tf
 from workbench._src.core.tracebacks import user_facing
-from workbench._src.launch import runtime
-from workbench._src.launch.placement import Task
-from workbench._src.placements.local.servers import LocalServers
-from workbench._src.placements.ray.cluster import RayCluster
+from workbench._src.launch import placement, runtime
+from workbench._src.launch.placement import Role
 
 
 def _worker_failures_said_by_the_run(record) -> bool:
@@ -61,7 +61,8 @@ _connected = None  # weakref to the replicator whose cluster this process uses (
 
 @dataclasses.dataclass
 class AsyncPsPlan(LaunchPlan):
-    """A local async-ps run: one coordinator process, which starts the servers itself."""
+    """An async-ps run: one coordinator process and its TensorFlow servers (parameter servers and
+    workers), which it starts itself on one host."""
 
     num_workers: int = 2
     num_ps: int = 1
@@ -70,8 +71,8 @@ class AsyncPsPlan(LaunchPlan):
     threads_per_server: int | None = None
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
-    ray: RayCluster | None = None  # placed on a Ray cluster (placements/ray/pool.py), else local
-    # A worker of a cluster this process did not start (a real cluster, a Ray pool) that has not
+    cluster: object | None = None  # the `cluster=` value naming where the pool is placed (None: here)
+    # A worker of a cluster this process did not start (a real cluster, a placed pool) that has not
     # answered for this long is lost, and the run goes on without it (backends/worker_watch.py).
     worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT
 
@@ -98,13 +99,37 @@ class AsyncPsPlan(LaunchPlan):
             "num_workers": self.num_workers,
             "num_ps": self.num_ps,
             "synchronous": False,
-        } | ({"cluster": f"ray:{self.ray.address or 'local'} ({self.ray.placement})"} if self.ray else {})
+        } | self._described_cluster()
 
     @property
     def launch_timeout(self) -> float:
         return self.startup_timeout + 60.0  # the coordinator's own start includes the servers'
 
-    def tasks(self, cluster: dict | None = None) -> list[Task]:
+    def roles(self) -> list[Role]:
+        """The coordinator runs the work; the parameter servers and workers only serve TensorFlow
+        servers. On one host the coordinator starts them itself, as its children: it watches
+        each one's exit and they share its private network."""
+        return [
+            Role("coordinator", 1),
+            Role("ps", self.num_ps, runs_work=False, started_by="coordinator"),
+            # a lost worker server does not end the run: asynchronous training goes on without it
+            Role("worker", self.num_workers, runs_work=False, may_die=True, started_by="coordinator"),
+        ]
+
+    def member_env(self, role: str, index: int, addresses: dict[str, list[str]]) -> dict:
+        """The coordinator's options (with the servers' cluster spec when they are members, not
+        its own children); a server's TF_CONFIG and threads."""
+        servers_placed = "ps" in addresses
+        spec = {
+            "chief": addresses["coordinator"],
+            "ps": addresses.get("ps"),
+            "worker": addresses.get("worker"),
+        }
+        if role != "coordinator":
+            env = {"TF_CONFIG": json.dumps({"cluster": spec, "task": {"type": role, "index": index}})}
+            if self.threads_per_server:
+                env["WORKBENCH_WORKER_THREADS"] = str(self.threads_per_server)
+            return env
         options = {
             "num_workers": self.num_workers,
             "num_ps": self.num_ps,
@@ -112,35 +137,12 @@ class AsyncPsPlan(LaunchPlan):
             "threads_per_server": self.threads_per_server,
             "worker_timeout": self.worker_timeout,
         }
-        if cluster is not None:  # its servers are elsewhere (a Ray pool's members): no local ones
-            options["cluster"] = {"cluster": cluster, "task": {"type": "chief", "index": 0}}
-        env = {**runtime.backend_env(MultiWorkerAsyncReplicator.backend, options), "CUDA_VISIBLE_DEVICES": ""}
-        return [Task("coordinator", 0, env)]
-
-    # On a Ray cluster the servers are members of the pool too, each an actor in its bundle.
-    def ray_layout(self) -> list[tuple[str, int]]:
-        return [
-            ("coordinator", 0),
-            *[("ps", i) for i in range(self.num_ps)],
-            *[("worker", i) for i in range(self.num_workers)],
-        ]
-
-    def _ray_cluster_spec(self, addresses: dict) -> dict:
+        if servers_placed:  # (else it starts its own: prepare_launched_process)
+            options["cluster"] = {"cluster": spec, "task": {"type": "chief", "index": 0}}
         return {
-            "chief": [addresses[("coordinator", 0)]],
-            "ps": [addresses[("ps", i)] for i in range(self.num_ps)],
-            "worker": [addresses[("worker", i)] for i in range(self.num_workers)],
+            **runtime.backend_env(MultiWorkerAsyncReplicator.backend, options),
+            "CUDA_VISIBLE_DEVICES": "",
         }
-
-    def tasks_on(self, addresses: dict) -> list[Task]:
-        return self.tasks(self._ray_cluster_spec(addresses))
-
-    def servers_on(self, addresses: dict) -> dict:
-        spec = self._ray_cluster_spec(addresses)
-        return {key: spec for key in self.ray_layout() if key[0] != "coordinator"}
-
-    def server_may_die(self, role: str) -> bool:
-        return role == "worker"  # asynchronous training goes on with the other workers
 
 
 class MultiWorkerAsyncReplicator(ProcessBackend):
@@ -203,7 +205,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         )
         self._cluster_option = cluster
         self.coordinator = None
-        self.servers: LocalServers | None = None  # started by this process (a local coordinator)
+        self.servers = None  # the servers this process started as its children (a coordinator on one host)
         self.worker_addresses: list[str] = []  # a cluster's workers (not started by this process)
 
     @classmethod
@@ -296,8 +298,8 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         their imports run alongside its own; the strategy waits for them to listen."""
         plan = self.plan
         if self._cluster_option is not None:
-            return  # a cluster's servers (a Ray pool's members) run elsewhere
-        self.servers = LocalServers(
+            return  # a cluster's servers (or a placed pool's server members) run elsewhere
+        self.servers = placement.start_own_servers(
             plan.num_workers,
             plan.num_ps,
             threads=plan.threads_per_server,

@@ -4,8 +4,8 @@ TF2's multi-worker training is multi-client: every worker process runs the same 
 collectives meet in the middle. In a worker (one the workbench launched, or any process given
 `cluster=`), this is a replicator over MultiWorkerMirroredStrategy like any other backend. In a
 notebook with no cluster given, the constructor returns the backend's notebook face, a
-RemoteReplicator (backends/remote.py) whose plan (`MultiWorkerPlan`) starts `num_workers` local
-worker processes, each of which builds this same class in-cluster.
+RemoteReplicator (backends/remote.py) whose plan (`MultiWorkerPlan`) declares `num_workers`
+worker processes and their TF_CONFIG; each builds this same class in-cluster.
 
 How work reaches the workers (see docs/design-decisions.md and launch/shipping.py): a
 `%%replicate` cell's source, or functions pickled by value (`repl.train(setup=build)`, or
@@ -23,16 +23,15 @@ from workbench._src.backends.remote import LaunchPlan, ProcessBackend
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.run import NO_STOP, PREEMPT, STOP
-from workbench._src.core.tf_setup import physical_gpu_count, tf
+from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
-from workbench._src.launch.placement import Task
-from workbench._src.placements.local.processes import free_ports
-from workbench._src.placements.ray.cluster import RayCluster
+from workbench._src.launch.placement import Role
 
 
 @dataclasses.dataclass
 class MultiWorkerPlan(LaunchPlan):
-    """A local multi-worker run: `num_workers` worker processes on 127.0.0.1, worker 0 the chief."""
+    """A multi-worker run: `num_workers` worker processes, worker 0 the chief (where they run is
+    the placement's, chosen by `cluster`)."""
 
     num_workers: int = 2
     devices_per_worker: int | None = None
@@ -41,7 +40,7 @@ class MultiWorkerPlan(LaunchPlan):
     threads_per_worker: int | None = None
     idle_timeout: float | None = 600.0  # a warm pool ends after this long unused (None: never)
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
-    ray: RayCluster | None = None  # placed on a Ray cluster (placements/ray/pool.py), else local
+    cluster: object | None = None  # the `cluster=` value naming where the pool is placed (None: here)
     min_workers: int | None = None  # elastic: a heal may go on with this many workers (launch/elastic.py)
 
     # min_workers says how far a run may shrink, not which processes run (a pool of 1 worker is
@@ -71,72 +70,24 @@ class MultiWorkerPlan(LaunchPlan):
             "devices_per_worker": self.devices_per_worker,
             "synchronous": True,
         }
-        if self.ray is not None:
-            described["cluster"] = f"ray:{self.ray.address or 'local'} ({self.ray.placement})"
-        return described
+        return described | self._described_cluster()
 
-    def tasks(self) -> list[Task]:
-        cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(self.num_workers)]}
-        return self._tasks(cluster, self._device_env)
+    def roles(self) -> list[Role]:
+        # Each worker uses devices_per_worker GPUs where there are GPUs, else one CPU device.
+        return [Role("worker", self.num_workers, gpus=self.devices_per_worker)]
 
-    def ray_layout(self) -> list[tuple[str, int]]:
-        return [("worker", i) for i in range(self.num_workers)]
-
-    def tasks_on(self, addresses: dict) -> list[Task]:
-        """The workers on a Ray cluster: each at its node's address; Ray gives each its GPUs."""
-        if self.devices_per_worker != 1 and not self.ray.resources_per_worker.get("GPU"):
-            raise ConfigurationError(
-                f"devices_per_worker={self.devices_per_worker} needs GPUs in each worker's Ray "
-                f"bundle; resources_per_worker={self.ray.resources_per_worker}. Fix: "
-                "resources_per_worker={'GPU': N, ...} or devices_per_worker=1."
-            )
-        cluster = {"worker": [addresses[("worker", i)] for i in range(self.num_workers)]}
-
-        def device_env(index):
-            env = {"WORKBENCH_WORKER_DEVICES": str(self.devices_per_worker)}
-            if self.threads_per_worker:
-                env["WORKBENCH_WORKER_THREADS"] = str(self.threads_per_worker)
-            if not self.ray.resources_per_worker.get("GPU"):
-                env["CUDA_VISIBLE_DEVICES"] = ""
-            return env
-
-        return self._tasks(cluster, device_env)
-
-    def _tasks(self, cluster: dict, device_env) -> list[Task]:
+    def member_env(self, role: str, index: int, addresses: dict[str, list[str]]) -> dict:
+        """Worker `index`'s TF_CONFIG (every worker's address, worker 0 the chief) and options."""
         options = {"devices_per_worker": self.devices_per_worker}
-        return [
-            Task(
-                "worker",
-                i,
-                {
-                    **runtime.backend_env(MultiWorkerReplicator.backend, options),
-                    "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-                    **device_env(i),
-                },
-            )
-            for i in range(self.num_workers)
-        ]
-
-    def _device_env(self, index: int) -> dict:
-        env = {"WORKBENCH_WORKER_DEVICES": str(self.devices_per_worker)}
+        env = {
+            **runtime.backend_env(MultiWorkerReplicator.backend, options),
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"worker": addresses["worker"]}, "task": {"type": "worker", "index": index}}
+            ),
+            "WORKBENCH_WORKER_DEVICES": str(self.devices_per_worker),
+        }
         if self.threads_per_worker:
             env["WORKBENCH_WORKER_THREADS"] = str(self.threads_per_worker)
-        gpus = physical_gpu_count()  # (no TensorFlow import in the launcher on a machine without)
-        if gpus:
-            if gpus < self.num_replicas:
-                raise ConfigurationError(
-                    f"{self.num_workers} workers x {self.devices_per_worker} GPU(s) need "
-                    f"{self.num_replicas} GPUs; this machine has {gpus}."
-                )
-            first = index * self.devices_per_worker
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + j) for j in range(self.devices_per_worker))
-        else:
-            if self.devices_per_worker != 1:
-                raise ConfigurationError(
-                    f"devices_per_worker={self.devices_per_worker} needs GPUs; without them each "
-                    "worker runs one CPU replica. Fix: devices_per_worker=1 and more workers."
-                )
-            env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
 
@@ -170,10 +121,11 @@ class MultiWorkerReplicator(ProcessBackend):
       pool: keep the local workers warm between runs of the same shape (False: start and stop
         them for every run).
       min_workers: elastic worker counts (with `train(max_restarts=N)`): when the cluster has no
-        room for `num_workers` (a Ray node gone, no other with room), the run starts or heals
+        room for `num_workers` (a node gone, no other with room), the run starts or heals
         with fewer, never below `min_workers`, keeping the global batch (each worker takes a
         larger share), and grows back to `num_workers` at a checkpoint once room returns.
-        None: always `num_workers`. Local workers always fit, so only Ray placements shrink.
+        None: always `num_workers`. Workers on this machine always fit: only a pool placed on
+        a cluster of machines (wb.RayCluster) shrinks.
 
     Example (functions defined in a notebook travel to the workers by value):
       >>> import workbench as wb

@@ -26,16 +26,20 @@ from workbench._src.core.replicator import Replicator
 from workbench._src.core.tracebacks import user_facing
 from workbench._src.launch import runtime, shipping
 from workbench._src.launch.launcher import Launcher, task_order
-from workbench._src.placements.ray.cluster import RayCluster
+from workbench._src.launch.placement import Role, names_a_placement, placement_class
 
 
 class LaunchPlan:
     """What a remote replicator starts, declared by its backend (a dataclass of the backend's
-    settings, e.g. multi_worker.MultiWorkerPlan). Subclasses give the fields and `tasks()`."""
+    settings, e.g. multi_worker.MultiWorkerPlan): its members' roles and how each member's
+    environment is made from the members' addresses (launch/placement.py `MemberPlan`). Where
+    they run is the placement's: the plan's `cluster` field holds the `cluster=` value that
+    names one (None: this machine)."""
 
     num_workers: int
     startup_timeout: float
     heartbeat_timeout: float
+    cluster: object | None
 
     @property
     def num_replicas(self) -> int:
@@ -45,8 +49,13 @@ class LaunchPlan:
         """The replicator's description (backend options), as its in-process face gives it."""
         raise NotImplementedError
 
-    def tasks(self) -> list:
-        """The processes of one run (launcher.Task), the chief first."""
+    def roles(self) -> list[Role]:
+        """The members of one pool (launch/placement.py Role), the chief's role first."""
+        raise NotImplementedError
+
+    def member_env(self, role: str, index: int, addresses: dict[str, list[str]]) -> dict:
+        """The environment (TF_CONFIG, the backend's options) of member `role:index`, from the
+        addresses of the members placed, by role (launch/placement.py `MemberPlan`)."""
         raise NotImplementedError
 
     @property
@@ -54,40 +63,14 @@ class LaunchPlan:
         """How long the launcher waits for every process to be ready."""
         return self.startup_timeout
 
-    # ----- where the processes run: the one place that picks a placement ---------------------
-    def placement(self, backend: str):
-        """This plan's processes, placed (launch/placement.py): Ray actors when the plan's `ray`
-        field names a Ray cluster, else local processes. Reserves what they need; start() starts."""
-        if getattr(self, "ray", None) is not None:
-            from workbench._src.placements.ray.placement import RayPlacement  # (Ray only then)
-
-            return RayPlacement(backend, self)
-        from workbench._src.placements.local.placement import LocalPlacement
-
-        return LocalPlacement(backend, self)
+    def _described_cluster(self) -> dict:
+        """{"cluster": ...} in describe() when the plan is placed by its `cluster=` value."""
+        text = placement_class(self.cluster).describe(self.cluster)
+        return {"cluster": text} if text else {}
 
     def before_placement(self) -> None:
-        """What must happen on the calling thread before a placement is made on another one:
-        connecting to Ray (ray.init sets signal handlers, which only the main thread may)."""
-        if getattr(self, "ray", None) is not None:
-            self.ray.connect()
-
-    # ----- placed on a Ray cluster (placements/ray/pool.py): the plan's `ray` field is set ------
-    def ray_layout(self) -> list[tuple[str, int]]:
-        """(role, index) of every process of a Ray-placed pool, the chief first."""
-        return [(t.role, t.index) for t in self.tasks()]
-
-    def tasks_on(self, addresses: dict) -> list:
-        """The tasks that run work, for processes at `addresses` {(role, index): "host:port"}."""
-        raise NotImplementedError
-
-    def servers_on(self, addresses: dict) -> dict:
-        """{(role, index): cluster spec} of the members that only run a TensorFlow server."""
-        return {}
-
-    def server_may_die(self, role: str) -> bool:
-        """A member of this role may die without ending the run (async-ps's worker servers)."""
-        return False
+        """What must happen on the calling thread before a placement is made on another one."""
+        placement_class(self.cluster).prepare(self.cluster)
 
     # ----- elastic runs (launch/elastic.py): only a plan with `min_workers` changes its count -----
     def with_workers(self, count: int) -> LaunchPlan:
@@ -95,13 +78,9 @@ class LaunchPlan:
         raise NotImplementedError(f"{type(self).__name__} has no elastic worker count")
 
     def room_to_grow(self, count: int, busy_nodes: set[str]) -> bool:
-        """Whether `count` more workers would fit where this plan places them (a Ray cluster's
-        free resources now); local processes always fit."""
-        if getattr(self, "ray", None) is None:
-            return True
-        from workbench._src.placements.ray.capacity import room_for  # (Ray only then)
-
-        return room_for(self.ray, count, busy_nodes)
+        """Whether `count` more workers would fit where this plan places them now (on this
+        machine they always do)."""
+        return placement_class(self.cluster).room_for(self.cluster, count, busy_nodes)
 
     # Fields that change how long to wait or keep, not which processes run.
     NOT_SHAPE = ("startup_timeout", "heartbeat_timeout", "idle_timeout", "pool")
@@ -130,8 +109,8 @@ class ProcessBackend(Replicator):
         arguments.pop("self")
         input_options = arguments.pop("input_options", {})
         cluster = arguments.pop("cluster", None)
-        if isinstance(cluster, RayCluster):  # the same processes, placed on a Ray cluster
-            return RemoteReplicator(cls.backend, cls.Plan(**arguments, ray=cluster), **input_options)
+        if names_a_placement(cluster):  # the same processes, placed there (a wb.RayCluster)
+            return RemoteReplicator(cls.backend, cls.Plan(**arguments, cluster=cluster), **input_options)
         if cluster is None and not runtime.is_launched():
             return RemoteReplicator(cls.backend, cls.Plan(**arguments), **input_options)
         return super().__new__(cls)
@@ -194,7 +173,7 @@ class RemoteReplicator(Replicator):
 
     @property
     def processes(self) -> list[dict]:
-        """Role, index and pid (and, on a Ray cluster, node) of every process of the last launch."""
+        """Role, index and pid (and node, where there are several) of every process of the last launch."""
         return self.launcher.last_processes
 
     @property

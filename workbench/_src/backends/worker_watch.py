@@ -9,8 +9,9 @@ the run loop then runs that worker's chunk again on the others, and the run goes
 of parameter-server training). A lost worker that answers again has rejoined: TensorFlow sends it
 closures again once its stuck call returns.
 
-Servers this process started (local runs) are its children, watched by their exit instead
-(placements/local/servers.py); a frozen one is not seen (the coordinator waits, as TensorFlow does).
+Servers this process started (on one host: launch/placement.py `Role.started_by`) are its
+children, watched by their exit instead; a frozen one is not seen (the coordinator waits, as
+TensorFlow does).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ class Launcher:
 
     Args:
       backend: the backend's name (process labels, messages).
-      plan: its LaunchPlan: `tasks()` to start, `startup_timeout`, `heartbeat_timeout`.
+      plan: its LaunchPlan: the members' roles and environments (placed by launch/placement.py),
+        `startup_timeout`, `heartbeat_timeout`.
     """
 
     def __init__(self, backend: str, plan):

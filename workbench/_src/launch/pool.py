@@ -32,6 +32,7 @@ import threading
 import time
 
 from workbench._src.core import exit as process_exit
+from workbench._src.launch.placement import place
 
 # How long a pool's members get to leave on "shutdown" before they are ended by force. It bounds
 # a shutdown's wait (the panel's button, a shape change); a clean exit removes the member's own
@@ -64,7 +65,7 @@ class Pool:
         self.started_at = time.time()
         self.started_in_background = False  # prestart(): before any run asked for it
         self.timer: threading.Timer | None = None
-        self.placement = plan.placement(backend)  # local processes or Ray actors
+        self.placement = place(backend, plan)  # local processes, or where plan.cluster says
         self.memory_baseline: dict | None = None  # {pid: RSS bytes} after the first run
 
     # ----- what the launcher uses (the placement's, one name down) -------------------------------

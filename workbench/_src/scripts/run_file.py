@@ -308,7 +308,7 @@ def _on_ray(args) -> bool:
 
 def _processes(repl) -> str:
     """'4 processes (2 workers, 1 parameter server, a coordinator)': what a run here starts."""
-    coordinators = sum(task.role == "coordinator" for task in repl.plan.tasks())
+    coordinators = sum(role.count for role in repl.plan.roles() if role.name == "coordinator")
     workers, ps = repl.plan.num_workers, getattr(repl.plan, "num_ps", 0)
     parts = [f"{workers} worker{'s' * (workers != 1)}"]
     parts += [f"{ps} parameter server{'s' * (ps != 1)}"] if ps else []

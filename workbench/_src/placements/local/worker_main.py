@@ -32,7 +32,12 @@ def main() -> None:
     link.start_reader()
     link.start_heartbeat()
     from workbench._src.launch.member import serve
+    from workbench._src.launch.placement import offer_own_servers
+    from workbench._src.placements.local.servers import LocalServers
 
+    # On one host a member starts the servers of a role `started_by` it (async-ps's coordinator)
+    # as its own children, in this private network.
+    offer_own_servers(LocalServers)
     code = serve(link, entered)
     from workbench._src.placements.local.processes import remove_own_tmp_dir
 

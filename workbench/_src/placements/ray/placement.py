@@ -5,9 +5,10 @@ the run loop, the dashboard, the sidebar and the run store do not know where the
   1. One placement group with a bundle (`resources_per_worker`) per process: "spread" is Ray's
      STRICT_SPREAD (one process per node), "pack" is PACK. One that cannot be met within
      `startup_timeout` is removed and reported with what the cluster has.
-  2. One actor per process (placements/ray/member.py) in its bundle. Each says its node's address,
-     its pid and a port free on its node; the backend's plan forms TF_CONFIG from those
-     (`plan.ray_layout()`, `plan.tasks_on(addresses)`).
+  2. One actor per member the plan declares (`plan.roles()`, every role: on several hosts no
+     member starts another) in its bundle (placements/ray/member.py). Each says its node's
+     address, its pid and a port free on its node; the plan's `member_env` forms each member's
+     TF_CONFIG from those addresses, as Ray Train's TensorFlow backend does.
   3. The members that run work (multi-worker's workers, async-ps's coordinator) run
      launch/member.py's serve loop as a local member does; async-ps's parameter servers and
      workers run a TensorFlow server. The link (placements/ray/link.py) is Ray's own: what a
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import shutil
 import time
 
-from workbench._src.core.errors import CapacityError, WorkerError
+from workbench._src.core.errors import CapacityError, ConfigurationError, WorkerError
+from workbench._src.launch.placement import Role, Task
 from workbench._src.placements.local.processes import TMP_PREFIX
 from workbench._src.placements.ray.cluster import PLACEMENTS
 from workbench._src.placements.ray.link import RayLink, RayMember, RayMembers
@@ -46,13 +49,17 @@ PLACEMENT_RECHECK_SECONDS = 1.0
 
 
 class RayPlacement:
-    """The members of one launch plan as Ray actors on `plan.ray` (a `Placement`)."""
+    """The members of one launch plan as Ray actors on `plan.cluster`, a wb.RayCluster (a `Placement`)."""
 
     exit_grace = 0.5  # at exit: the members may be on other nodes, and exit must not linger
 
     def __init__(self, backend: str, plan):
         self.backend = backend
-        self.cluster = plan.ray
+        self.cluster = plan.cluster
+        roles = plan.roles()
+        bundle = dict(self.cluster.resources_per_worker)
+        for role in roles:
+            _check_gpus(role, bundle)  # (before anything is reserved)
         self.ray = ray = self.cluster.connect()
         self.own_node_id = None  # the node this process runs on, if it is one (not Ray Client)
         with contextlib.suppress(Exception):
@@ -61,8 +68,7 @@ class RayPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._remove_placement_group = remove_placement_group
-        layout = plan.ray_layout()  # [(role, index)] of every process, the chief first
-        bundle = dict(self.cluster.resources_per_worker)
+        layout = [(role, i) for role in roles for i in range(role.count)]  # every member, the chief first
         self.placement_group = placement_group(
             [bundle] * len(layout), strategy=PLACEMENTS[self.cluster.placement]
         )
@@ -81,7 +87,7 @@ class RayPlacement:
                             placement_group=self.placement_group, placement_group_bundle_index=i
                         ),
                         runtime_env=self.cluster.runtime_env,
-                    ).remote(role, index)
+                    ).remote(role.name, index)
                 )
             try:
                 wheres = actors_ready(ray, [a.where.remote() for a in actors], plan.startup_timeout)
@@ -98,24 +104,48 @@ class RayPlacement:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.placement_group)
             raise
-        addresses = {key: f"{w['address']}:{w['port']}" for key, w in zip(layout, wheres)}
-        self.tasks = plan.tasks_on(addresses)  # the members that run work (launcher.Task)
+        addresses = {role.name: [] for role in roles}
+        for (role, _), where in zip(layout, wheres):
+            addresses[role.name].append(f"{where['address']}:{where['port']}")
+        # The members that run work (launcher.Task, with their environment), and those that only
+        # serve TensorFlow: their TF_CONFIG's cluster and threads, for their serve_tf call.
+        self.tasks, self.servers = [], {}
+        for role, index in layout:
+            env = {**_device_env(role, bundle), **plan.member_env(role.name, index, addresses)}
+            if role.runs_work:
+                self.tasks.append(Task(role.name, index, env))
+            else:
+                threads = env.get("WORKBENCH_WORKER_THREADS")
+                self.servers[(role.name, index)] = (json.loads(env["TF_CONFIG"])["cluster"], threads)
         working = {t.name for t in self.tasks}
-        self.servers = plan.servers_on(addresses)  # {(role, index): cluster spec} of TF servers
         members = [
             RayMember(
-                role,
+                role.name,
                 index,
                 actor,
                 where,
                 on_this_node=self.own_node_id is not None and where["node_id"] == self.own_node_id,
-                may_die=plan.server_may_die(role),
+                may_die=role.may_die,
             )
             for (role, index), actor, where in zip(layout, actors, wheres)
         ]
-        self.threads = getattr(plan, "threads_per_server", None)
         self.group = RayMembers(members)
         self.channel = RayLink(ray, self.group, working, report_to=self.tasks[0].name)
+
+    # ----- for a `cluster=` value, before any pool (launch/placement.py Placement) -------------
+    @staticmethod
+    def prepare(cluster) -> None:
+        cluster.connect()  # (ray.init sets signal handlers, which only the main thread may)
+
+    @staticmethod
+    def room_for(cluster, count: int, busy_nodes: set[str]) -> bool:
+        from workbench._src.placements.ray.capacity import room_for
+
+        return room_for(cluster, count, busy_nodes)
+
+    @staticmethod
+    def describe(cluster) -> str | None:
+        return f"ray:{cluster.address or 'local'} ({cluster.placement})"
 
     def _wait_for_placement(self, plan, count: int, bundle: dict) -> None:
         """Waits for the placement group (other jobs may hold the resources for a while); one
@@ -160,8 +190,8 @@ class RayPlacement:
         """TF servers first (async-ps), then every working member, none waiting for another: the
         link follows each server's pending call and each working member's stream."""
         members = {(m.role, m.index): m for m in self.group.children}
-        for key, cluster in self.servers.items():
-            self.channel.watch(members[key].task, members[key].actor.serve_tf.remote(cluster, self.threads))
+        for key, (cluster, threads) in self.servers.items():
+            self.channel.watch(members[key].task, members[key].actor.serve_tf.remote(cluster, threads))
         for task in self.tasks:
             stream = members[(task.role, task.index)].actor.messages.options(num_returns="streaming")
             self.channel.watch(task.name, stream.remote(task.env))
@@ -219,3 +249,21 @@ class RayPlacement:
     def where(self) -> str | None:
         nodes = ", ".join(sorted({m.node for m in self.group.children}))
         return f"Ray ({self.cluster.placement}): {nodes}"
+
+
+def _check_gpus(role: Role, bundle: dict) -> None:
+    """A role of more than one device per member needs GPUs in each member's bundle."""
+    if role.gpus > 1 and not bundle.get("GPU"):
+        raise ConfigurationError(
+            f"{role.gpus} devices per {role.name} need GPUs in each {role.name}'s Ray bundle; "
+            f"resources_per_worker={bundle}. Fix: resources_per_worker={{'GPU': N, ...}}, or one "
+            f"device per {role.name} (devices_per_worker=1)."
+        )
+
+
+def _device_env(role: Role, bundle: dict) -> dict:
+    """Ray makes a bundle's GPUs visible to its actor itself; a member with none, or of a CPU-only
+    role, sees none."""
+    if role.gpus and bundle.get("GPU"):
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ""}
