@@ -179,6 +179,16 @@ def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
     assert np.isfinite(history["loss"]).all()
 
 
+@pytest.mark.slow
+def test_the_start_counts_every_process_the_pool_runs():
+    # One process is started by the launcher (the coordinator), which starts the other three:
+    # the run says 4, as `workbench run` does, not 1.
+    run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, pool=False).train(setup=regression_setup, steps=5)
+    texts = [e.data.get("text", "") for e in run.events if e.kind == "message"]
+    assert any(t.startswith("starting 4 async-ps processes") for t in texts), texts
+    assert len(run.processes) == 4
+
+
 def test_unusable_checkpoint_dir_is_refused_before_any_process_starts(tmp_path):
     a_file = tmp_path / "not-a-folder"
     a_file.write_text("x")

@@ -180,8 +180,9 @@ class Launcher:
 
 
 def _starting_text(backend: str, pool) -> str:
-    """'starting 3 multi-worker processes (each imports TensorFlow and joins the cluster)'."""
-    count = len(pool.tasks)
+    """'starting 3 multi-worker processes (each imports TensorFlow, then they form the cluster)':
+    every process of the pool (async-ps: 4 for a coordinator that starts 2 workers and 1 ps)."""
+    count = pool.process_count
     on = " on Ray" if type(pool.placement).__name__.startswith("Ray") else ""
     return f"starting {count} {backend} process{'es' if count != 1 else ''}{on} (each imports TensorFlow, then they form the cluster)"
 

@@ -66,6 +66,9 @@ class Pool:
         self.started_in_background = False  # prestart(): before any run asked for it
         self.timer: threading.Timer | None = None
         self.placement = place(backend, plan)  # local processes, or where plan.cluster says
+        # Every process the pool will run, those a member starts itself included (async-ps: the
+        # coordinator's servers), as the CLI counts them.
+        self.process_count = sum(role.count for role in plan.roles())
         self.memory_baseline: dict | None = None  # {pid: RSS bytes} after the first run
 
     # ----- what the launcher uses (the placement's, one name down) -------------------------------
