@@ -33,22 +33,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "train.py")
-TOY_CELL = """%%replicate --backend mirrored --replicas 2 --steps 300
-import tensorflow as tf, keras
-w = tf.Variable(tf.zeros([4, 1]))
-opt = repl.wrap_optimizer(keras.optimizers.SGD(0.05))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from notebook_toy import TOY_CELL as TOY_BODY  # noqa: E402 - the notebook tests' toy cell
 
-def input_fn(ctx):
-    x = tf.random.stateless_normal([64, 4], seed=[1, 2])
-    y = x @ tf.constant([[1.0], [2.0], [3.0], [4.0]])
-    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(16)
-
-def step_fn(x, y):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean((x @ w - y) ** 2)
-    opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
-    return {"loss": loss}
-"""
+TOY_CELL = "%%replicate --backend mirrored --replicas 2 --steps 300" + TOY_BODY
 
 
 def commands(folder: str) -> dict[str, list[str]]:
