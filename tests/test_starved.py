@@ -38,6 +38,9 @@ def starved(pid: int):
                 os.sched_setaffinity(hog.pid, {cpu})
                 hogs.append(hog)
         if os.path.exists(autogroup):
+            # (Never our own group: at nice 19 beside the spinners, this test's process, and
+            # every process of its session, would starve with it.)
+            assert _group(autogroup) != _group("/proc/self/autogroup"), "start it in a session of its own"
             with open(autogroup, "w") as f:
                 f.write("19")
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -55,9 +58,14 @@ def starved(pid: int):
                 f.write("0")
 
 
+def _group(autogroup: str) -> str:
+    with open(autogroup) as f:
+        return f.read().split()[0]  # "/autogroup-5095 nice 0": the group's name
+
+
 def test_a_starved_process_waits_for_a_cpu_and_a_stopped_one_does_not():
-    spinner = subprocess.Popen([sys.executable, "-c", SPIN])
-    sleeper = subprocess.Popen([sys.executable, "-c", SPIN])
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True)
     try:
         time.sleep(0.5)
         os.kill(sleeper.pid, signal.SIGSTOP)
