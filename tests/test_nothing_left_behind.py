@@ -144,3 +144,22 @@ def test_a_killed_launchers_folders_go_at_the_next_start(monkeypatch):
         assert os.listdir(private) == []
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def test_a_stop_never_signals_a_process_that_took_an_ended_childs_pid(tmp_path, monkeypatch):
+    # Pids wrap at 32,768 here and threads take them too: a child's pid, remembered while its end
+    # is not yet seen, may name another process by the time a stop signals it (a SIGKILL by pid
+    # once ended a pytest worker). Signals go through a handle on the child itself (pidfd).
+    monkeypatch.setenv("WORKBENCH_FORK_SERVER", "off")  # (a child of ours: its pid is ours to set)
+    (tmp_path / "quick.py").write_text("pass")
+    group = ProcessGroup("reuse", private_network=False)
+    child = group.start("worker", 0, "quick", {"PYTHONPATH": str(tmp_path)})
+    child.popen.wait(60)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        child.popen.pid, child.popen.returncode = other.pid, None  # its pid, now another's
+        group.stop(grace=0.5)
+        assert other.poll() is None, "the stop signalled the process that took the child's pid"
+    finally:
+        other.kill()
+        other.wait()

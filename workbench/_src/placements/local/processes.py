@@ -85,10 +85,41 @@ class Child:
     started_at: float = field(default_factory=time.time)
     expected_exit: bool = False  # set when the child reported it is done
     keepalive_fd: int | None = None  # see ProcessGroup(stop_at_exit=False)
+    # A handle on this very process (pidfd_open), taken at its start: a signal sent through it
+    # cannot reach another process that got the pid later. Pids wrap at 32,768 here and every
+    # thread takes one, so a pid remembered for seconds may be another process's thread by then
+    # (a SIGKILL by pid once took down a pytest worker that way). None: no pidfd here.
+    pidfd: int | None = None
+
+    def __post_init__(self):
+        with contextlib.suppress(OSError, AttributeError):  # (AttributeError: Python < 3.9)
+            self.pidfd = os.pidfd_open(self.popen.pid)
 
     @property
     def pid(self) -> int:
         return self.popen.pid
+
+    def send_signal(self, sig: int) -> None:
+        """`sig` to the process and to its session (its helpers), only while the process
+        exists (a zombie still holds its pid); nothing once it has ended."""
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, 0)
+            except (ProcessLookupError, OSError):
+                return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)  # the child's own session: its helpers go too
+        with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            else:
+                os.kill(self.pid, sig)
+
+    def close_handle(self) -> None:
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.pidfd = None
 
     @property
     def label(self) -> str:
@@ -277,14 +308,14 @@ def remove_own_tmp_dir() -> None:
 def _stop_children(children: list[Child], grace: float = 2.0) -> None:
     alive = [c for c in children if c.popen.poll() is None]
     for c in alive:
-        _signal(c, signal.SIGTERM)
+        c.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
     for c in alive:
         with contextlib.suppress(subprocess.TimeoutExpired):
             c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
     for c in alive:
         if c.popen.poll() is None:
-            _signal(c, signal.SIGKILL)
+            c.send_signal(signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 c.popen.wait(timeout=5)
     for c in children:
@@ -295,13 +326,7 @@ def _stop_children(children: list[Child], grace: float = 2.0) -> None:
             with contextlib.suppress(OSError):
                 os.close(c.keepalive_fd)
             c.keepalive_fd = None
-
-
-def _signal(child: Child, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, sig)  # the child's own session: its helpers go too
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(child.pid, sig)
+        c.close_handle()
 
 
 def _stop_all_groups() -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import time
@@ -209,7 +208,6 @@ class LocalServers:
 
 def _end(child) -> None:
     """Stops one server that never answered (SIGKILL: it serves nothing yet) and reaps it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(child.pid, signal.SIGKILL)
+    child.send_signal(signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         child.popen.wait(timeout=5)
