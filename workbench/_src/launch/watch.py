@@ -275,7 +275,9 @@ class Watch:
         mark = self.cpu_seen.get(task)
         child = self._child(task)
         if mark is None or mark[0] < heard:  # a message since the last look: its CPU time now
-            self.cpu_seen[task] = (now, child.cpu_seconds(), _waited(child.cpu_wait()))
+            # (Its wait for a CPU is read only once it is late: that reads every thread of the
+            # process, milliseconds for a TensorFlow process, too much for every message.)
+            self.cpu_seen[task] = (now, child.cpu_seconds(), None)
             self.cpu_at_message[task] = self.cpu_seen[task][1]
             return now - heard
         since, cpu_then, wait_then = mark
@@ -283,13 +285,14 @@ class Watch:
             return now - since
         cpu, wait = child.cpu_seconds(), child.cpu_wait()
         busy = cpu is not None and cpu - cpu_then >= BUSY_CPU_SHARE * (now - since)
-        waited = _waited(wait)
         starved = wait is not None and (
-            wait[1] or (wait_then is not None and waited - wait_then >= STARVED_WAIT_SHARE * (now - since))
+            wait[1] or (wait_then is not None and wait[0] - wait_then >= STARVED_WAIT_SHARE * (now - since))
         )
         if busy or starved:
-            self.cpu_seen[task] = (now, cpu, waited)  # alive: the silence counts from now
+            self.cpu_seen[task] = (now, cpu, None if wait is None else wait[0])  # the silence counts from now
             return 0.0
+        if wait_then is None and wait is not None:  # its wait from here on (measured against the
+            self.cpu_seen[task] = (since, cpu_then, wait[0])  # whole silence: on the safe side)
         return now - since
 
     def _cpu_used_while_silent(self, task: str) -> float | None:
@@ -417,10 +420,6 @@ class Watch:
         raise WorkerError(
             f"{backend} run failed: {text}{log}", task=_label(task) if task else None, cause=cause
         )
-
-
-def _waited(wait: tuple[float, bool] | None) -> float | None:
-    return None if wait is None else wait[0]
 
 
 def task_order(task: str):
