@@ -61,6 +61,12 @@ def pid_alive(pid: int) -> bool:
     return bool(fields) and fields[0] != "Z"
 
 
+def same_process_running(pid: int, started: int | None) -> bool:
+    """The process that had `pid` and started at `started` (process_start_ticks) still runs: not
+    ended, not a zombie, and its pid not handed to another process since."""
+    return pid_alive(pid) and process_start_ticks(pid) == started
+
+
 def pids_naming(text: str) -> list[int]:
     """The pids of the processes (other than this one) whose command line contains `text`."""
     found = []
@@ -137,14 +143,15 @@ def process_tree(roots: list[int]) -> list[tuple[int, int]]:
             fields = _stat_fields(int(entry))
             if fields:
                 children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], list(roots)
+    found: dict[int, int] = {}  # pid -> start ticks
+    todo = list(roots)
     while todo:
         pid = todo.pop()
         ticks = process_start_ticks(pid)
-        if ticks is not None and all(pid != known for known, _ in found):
-            found.append((pid, ticks))
+        if ticks is not None and pid not in found:
+            found[pid] = ticks
             todo.extend(children.get(pid, []))
-    return found
+    return list(found.items())
 
 
 def end_processes(found: list[tuple[int, int]], grace: float) -> None:
@@ -153,14 +160,11 @@ def end_processes(found: list[tuple[int, int]], grace: float) -> None:
     import signal
     import time
 
-    def still(pid, ticks):
-        return pid_alive(pid) and process_start_ticks(pid) == ticks
-
     deadline = time.monotonic() + grace
-    while any(still(*p) for p in found) and time.monotonic() < deadline:
+    while any(same_process_running(*p) for p in found) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid, ticks in found:
-        if still(pid, ticks):
+        if same_process_running(pid, ticks):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -19,10 +19,10 @@ import threading
 import time
 
 from workbench._src.placements.proc import (
-    pid_alive,
     process_cpu_seconds,
     process_cpu_wait,
     process_start_ticks,
+    same_process_running,
 )
 
 # How long one ray.wait waits for any member to say something: it bounds how late the link sees
@@ -76,7 +76,7 @@ class RayMember:
         """Its process has ended, as this node's /proc shows (False where it cannot be read)."""
         if not self._cpu_readable:
             return False
-        return not pid_alive(self.pid) or process_start_ticks(self.pid) != self._started
+        return not same_process_running(self.pid, self._started)
 
     def cpu_seconds(self) -> float | None:
         """Its CPU time, where it can be read (the launcher tells a busy member from a frozen
