@@ -203,14 +203,19 @@ def _copy_then_write(checkpoint):
         return False
 
     def write(prefix, values):
-        with t.device("/cpu:0"):
-            saved = t.raw_ops.SaveV2(
-                prefix=prefix, tensor_names=keys, shape_and_slices=[""] * len(keys), tensors=values
-            )
-            with t.control_dependencies([saved]):
-                return t.identity(prefix)
+        return _save_v2(prefix, keys, values)
 
     return copy, t.function(write)
+
+
+def _save_v2(prefix, keys: list[str], values: list):
+    """Inside a traced save: one SaveV2 op writing `values` under `keys` (the two files of a
+    checkpoint); returns `prefix` once they are written."""
+    t = tf()
+    with t.device("/cpu:0"):
+        saved = t.raw_ops.SaveV2(prefix=prefix, tensor_names=keys, shape_and_slices=[""] * len(keys), tensors=values)
+        with t.control_dependencies([saved]):
+            return t.identity(prefix)
 
 
 def _single_file_write(checkpoint):
@@ -223,7 +228,6 @@ def _single_file_write(checkpoint):
     Nothing is lost without the temp folder: a save cut short leaves files the `checkpoint` state
     file does not name yet (CheckpointFiles.saved writes it after). The save counter is kept as
     CheckpointManager keeps it, so plain TensorFlow sees the same checkpoint."""
-    t = tf()
     counter = checkpoint.save_counter  # (created now, outside the trace)
 
     def write(prefix):
@@ -232,13 +236,7 @@ def _single_file_write(checkpoint):
         if tensors is None:
             return checkpoint.write(prefix)
         keys = sorted(tensors)
-        with t.device("/cpu:0"):
-            saved = t.raw_ops.SaveV2(
-                prefix=prefix, tensor_names=keys, shape_and_slices=[""] * len(keys),
-                tensors=[tensors[k] for k in keys],
-            )  # fmt: skip
-            with t.control_dependencies([saved]):
-                return t.identity(prefix)
+        return _save_v2(prefix, keys, [tensors[k] for k in keys])
 
     return write
 
