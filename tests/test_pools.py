@@ -204,9 +204,10 @@ def test_a_frozen_member_is_named_and_nothing_of_its_pool_is_left(placement):
 def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_starts_fresh(placement):
     """An async-ps run goes on without a lost worker; a stop then ends it within 10 s (it once
     hung: the coordinator's result queued behind TensorFlow's clear_session), and the next run
-    finds no trace of the lost worker: on Ray a fresh pool, the last one not being whole; locally
-    the worker is replaced in the run, so the pool is whole again once the new one answered
-    (kept), or not yet when the stop came (fresh)."""
+    finds no trace of the lost worker. On both placements the worker is replaced in the run (a
+    new server at its address: locally by the coordinator, on Ray by a new actor in its bundle),
+    so the pool is whole again once the new one answered (kept, with the new worker), or not yet
+    when the run ended (retired: a fresh pool, and the next run says why)."""
     repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
     run = repl.train(setup=regression_setup, steps=1_000_000, steps_per_execution=5, background=True)
     wait_for(lambda: run.steps >= 50 or run.ended, 180, "the run to step")
@@ -221,8 +222,12 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     assert run.status == "stopped" and time.monotonic() - stopping < 10, (run.status, run.stop_reason)
     second = repl.train(setup=regression_setup, steps=10)
     assert second.status == "finished" and victim not in pids(second), second.stop_reason
-    if placement.name == "ray":
+    if process_pid(second, "coordinator", 0) == process_pid(run, "coordinator", 0):  # kept: whole again
+        assert alive(process_pid(second, "worker", 1)), second.processes
+    else:  # the run ended before the new worker answered
         assert not set(pids(second)) & set(first)
+        notes = [t for t in messages(second) if "fresh" in t]
+        assert len(notes) == 1 and "worker 1" in notes[0], messages(second)
     repl.shutdown()
     wait_for(lambda: not any(alive(p) for p in pids(second)), 30, "the pool's processes to end")
 
