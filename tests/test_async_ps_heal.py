@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -130,3 +131,68 @@ def test_every_worker_killed_is_replaced_until_they_keep_dying_then_the_run_fail
     assert list(run.history["step"]) == list(range(1, run.steps + 1))  # the history up to the failure
     texts = [e.data.get("text", "") for e in run.events if e.kind == "message"]
     assert any("it is not replaced again" in t for t in texts)
+
+
+def _messages(run) -> list[str]:
+    return [e.data.get("text", "") for e in run.events if e.kind == "message"]
+
+
+def _take_port(port: int, holder: socket.socket) -> None:
+    """Binds and listens on `port` as soon as the killed server's socket is gone (milliseconds)."""
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            holder.bind(("", port))
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+    holder.listen()
+
+
+@pytest.mark.slow
+def test_on_ray_a_worker_whose_address_is_taken_stays_dropped_says_why_and_its_pool_is_retired(
+    placement,  # noqa: F811
+):
+    if placement.name != "ray":
+        pytest.skip("a local server's replacement is the coordinator's child (test above)")
+    repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
+    run = repl.train(setup=regression_setup, steps=10**6, steps_per_execution=5, background=True)
+    with socket.socket() as holder:
+        try:
+            wait_for_steps(run, 50)
+            member = next(m for m in repl.launcher.pool.group.children if (m.role, m.index) == ("worker", 1))
+            os.kill(member.pid, signal.SIGKILL)
+            _take_port(member.port, holder)  # (before the new actor asks for it: it starts in ~1 s)
+            _wait_until(lambda: any("could not take" in t for t in _messages(run)), run)
+            rows = run.steps
+            _wait_until(lambda: run.steps >= rows + 50, run)  # the other worker goes on
+        finally:
+            run.stop()
+            run.wait(timeout=60)
+    assert run.status == "stopped" and run.restarts == [], (run.stop_reason, run.restarts)
+    (line,) = [t for t in _messages(run) if "could not take" in t]
+    assert f"port {member.port}" in line and "taken" in line and "1 worker(s)" in line, line
+    workers = list(run.history["workers"])
+    assert workers[0] == 2 and workers[-1] == 1 and workers.count(1) >= 50, workers
+    # The pool is not whole: retired after the run; the next run starts a fresh one and says why.
+    second = repl.train(setup=regression_setup, steps=10)
+    assert second.status == "finished", second.stop_reason
+    assert process_pid(second, "coordinator", 0) != process_pid(run, "coordinator", 0)
+    notes = [t for t in _messages(second) if "fresh" in t]
+    assert len(notes) == 1 and "worker 1" in notes[0], _messages(second)
+
+
+def test_rays_words_for_a_killed_process_are_not_read_as_its_nodes_death():
+    from workbench._src.placements.ray.link import death_reason
+
+    killed = RuntimeError(  # (Ray 2.60's ActorDiedError, abridged: its advice speaks of "node deaths")
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: Member\nThe actor is "
+        "dead because its worker process has died. Worker exit type: SYSTEM_ERROR ... to prevent node "
+        "deaths by resource contention"
+    )
+    node = RuntimeError("The actor died because its node has died. Node Id: 6c1e...")
+    assert death_reason(killed) == "its process ended unexpectedly (killed or crashed)"
+    assert death_reason(node) == "its node died (Ray's node health check)"

@@ -114,7 +114,9 @@ class ServerReplacer:
             raise
         except ray.exceptions.GetTimeoutError:
             self._end(actor)
-            raise CannotReplace(f"the new server did not start within startup_timeout={self.startup_timeout:.0f} s")
+            raise CannotReplace(
+                f"the new server did not start within startup_timeout={self.startup_timeout:.0f} s"
+            ) from None
         except Exception as error:  # noqa: BLE001 - Ray's error around ours (start_tf's port, a death)
             self._end(actor)
             cause = getattr(error, "cause", None) or error  # (RayTaskError carries the actor's own error)
