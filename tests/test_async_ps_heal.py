@@ -18,14 +18,19 @@ import socket
 import time
 
 import pytest
-from helpers import process_pid, regression_setup, wait_for_steps
-from test_pools import placement  # noqa: F401 - the fixture: local processes, then Ray actors
+from helpers import placement_under_test, process_pid, regression_setup, wait_for_steps
 
 import workbench as wb
 from workbench._src.placements.local.servers import REPLACEMENTS_PER_WORKER
 from workbench._src.placements.proc import process_cpu_seconds
 
 pytestmark = pytest.mark.usefixtures("no_orphans")
+
+
+@pytest.fixture(scope="module", params=["local", "ray"])
+def placement(request):
+    """Each test that takes it runs once with local processes and once with Ray actors."""
+    yield from placement_under_test(request.param)
 
 
 def _wait_until(condition, run, timeout=120.0) -> None:
@@ -41,7 +46,7 @@ KILLED = {"local": "killed by SIGKILL", "ray": "its process ended unexpectedly (
 
 
 @pytest.mark.slow
-def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on(placement):  # noqa: F811
+def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on(placement):
     repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
     run = repl.train(setup=regression_setup, steps=10**6, steps_per_execution=5, background=True)
     try:
@@ -154,7 +159,7 @@ def _take_port(port: int, holder: socket.socket) -> None:
 
 @pytest.mark.slow
 def test_on_ray_a_worker_whose_address_is_taken_stays_dropped_says_why_and_its_pool_is_retired(
-    placement,  # noqa: F811
+    placement,
 ):
     if placement.name != "ray":
         pytest.skip("a local server's replacement is the coordinator's child (test above)")

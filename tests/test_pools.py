@@ -25,7 +25,7 @@ import time
 import cloudpickle
 import psutil
 import pytest
-from helpers import process_pid, regression_setup, wait_for
+from helpers import placement_under_test, process_pid, regression_setup, wait_for
 
 import workbench as wb
 from workbench._src.launch import pool as pools
@@ -35,51 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class PlacementUnderTest:
-    """What a test needs to know of one placement: the replicators' options and how a killed
-    member's end is said."""
-
-    def __init__(self, name: str, cluster=None):
-        self.name, self.cluster = name, cluster
-        # Local: the exit status; Ray: the actor's death (Ray's report, or /proc on this node).
-        self.killed = "killed by SIGKILL" if cluster is None else "died:"
-
-    def options(self, **options) -> dict:
-        return {**options, "cluster": self.cluster} if self.cluster is not None else options
-
-
-def _ray_instance():
-    """A local Ray instance of this process (`wb.RayCluster(address=None)`), its members packed
-    on it; ended with `cluster.shutdown()`, which ends what is left of it by pid (never `ray
-    stop`, which ends every Ray instance of the machine)."""
-    pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
-    import ray
-
-    from workbench._src.placements.proc import pid_alive, pids_naming, process_tree
-
-    assert not ray.is_initialized(), "a Ray connection was left by another test module"
-    cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
-    cluster.connect()
-    root = cluster.local_root  # every process the instance starts names it in its command line
-    try:
-        yield cluster
-    finally:
-        pools.shutdown()
-        instance = [pid for pid, _ in process_tree(pids_naming(root))]  # (agents retitle themselves)
-        cluster.shutdown()
-        # Nothing of it outlives the shutdown by more than its grace (its agents included).
-        wait_for(lambda: not any(pid_alive(pid) for pid in instance), 15, "the Ray instance's processes to end")
-        assert not os.path.exists(root)
-
-
 @pytest.fixture(scope="module", params=["local", "ray"])
 def placement(request):
     """Each test that takes it runs once with local processes and once with Ray actors."""
-    if request.param == "local":
-        yield PlacementUnderTest("local")
-    else:
-        for cluster in _ray_instance():
-            yield PlacementUnderTest("ray", cluster)
+    yield from placement_under_test(request.param)
 
 
 def pids(run) -> list[int]:
