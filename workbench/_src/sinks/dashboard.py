@@ -116,7 +116,10 @@ class Dashboard(DashboardView):
         self.render_threads: set[str] = set()
         self.render_times: list[float] = []
         self.render_costs: list[float] = []
-        self._budget = DrawingBudget(render_budget, self.period)  # when the figure may be drawn next
+        # When the figure may be drawn next. It is drawn per snapshot, and snapshots come at least
+        # REFRESH_SECONDS (= the period) apart: frames held that far apart too skipped a snapshot
+        # whenever one came a little early after the last drawing's start. Half of it: no skips.
+        self._budget = DrawingBudget(render_budget, self.period / 2)
         self.cpu_seconds = 0.0  # CPU the renderer thread used while the run went (all refreshes)
         self.error: BaseException | None = None
         self.smoothing: float | None = _choice["smoothing"]
