@@ -16,6 +16,7 @@ from workbench._src.core.inputs import InputContext, call_input_fn
 from workbench._src.core.program import Program, _is_infinite, call_compiled
 from workbench._src.core.run_stats import heal_line
 from workbench._src.core.tf_setup import tf
+from workbench._src.launch.runtime import is_launched
 
 # Seconds the chunks in flight when a worker is declared lost may still come back: those on the
 # other workers are done by then (a chunk is ~CHUNK_SECONDS), those on the lost one never are.
@@ -317,7 +318,10 @@ class CoordinatorExecutor:
 
     def _say_pool_not_whole(self) -> None:
         """A worker a fetch failed with that no replacement answered for since: the launcher
-        retires the pool after the run (an event it reads, not a line: the loss was said)."""
+        retires the pool after the run (an event it reads, not a line: the loss was said). Only a
+        launched coordinator has a launcher: a real cluster's run keeps no such event."""
+        if not is_launched():
+            return
         for name, at in self.unreachable.items():
             if self.run is not None and self.replaced_at.get(name, at) <= at:
                 self.run.publish("pool", worker_unreachable=int(name.split()[-1]))
