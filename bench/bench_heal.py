@@ -1,13 +1,17 @@
 """What healing costs: periodic checkpoints' throughput, and the time a heal takes.
 
-Run: python bench/bench_heal.py [--steps 3000] [--repeats 3]
+Run: python bench/bench_heal.py [--steps 3000] [--repeats 3] [--checkpoint-only] [--no-malloc-setting]
      python bench/bench_heal.py --cluster ray=local   (the heal on Ray actors too)
 
 1. Checkpoint cost (issue 40's goal: <= 5%): the digits MLP 64-128-128-10, batch 128, trained on
    one device in this process with checkpoint_every=100 and without (the anchor), interleaved
-   `--repeats` times in one invocation; printed: each one's median steps/s and their ratio, and
-   where a periodic save's time goes: on the run's thread (the copy at the step boundary) and on
-   the saver's thread (the write, core/checkpoints.py), median ms per save.
+   `--repeats` times in one invocation; printed: each one's median steps/s and CPU time per step
+   and their ratios, and where a periodic save's CPU goes: on the run's thread (the copy at the
+   step boundary) and on the writer thread (the hand-over to SaveV2 and the state file,
+   core/checkpoints.py; SaveV2's kernel runs on TensorFlow's thread pool, in the process total),
+   median CPU-ms per save, and the page faults a save adds (core/save_buffer.py: TensorFlow's
+   8 MiB write buffer, faulted in afresh at every save without it). `--no-malloc-setting` runs it
+   without core/save_buffer.py's setting (as before it), `--checkpoint-only` skips 2 and 3.
 2. Heal time (goal: <= 10 s on a local pool): multi-worker x2, max_restarts=1, worker 1
    SIGKILLed at step 300 of 600; printed: run.restarts[0]["seconds"] (the loss known -> the next
    step recorded: new processes, cluster join, restore, retrace) and the steps trained again.
@@ -76,23 +80,30 @@ def steps_per_sec(run) -> float:
 
 
 def timed_saves() -> dict[str, list[float]]:
-    """Milliseconds of each save on the run's thread and of each background write (wraps
-    core/checkpoints.Saver: a bench may look inside)."""
+    """CPU milliseconds of each save on the run's thread and of each write on the writer thread
+    (thread CPU time: a loaded machine stretches wall time, not these; wraps core/checkpoints.Saver:
+    a bench may look inside)."""
     from workbench._src.core import checkpoints
 
-    times: dict[str, list[float]] = {"on the run thread": [], "written in the background": []}
-    for name, key in (("save", "on the run thread"), ("_write_in_background", "written in the background")):
+    times: dict[str, list[float]] = {"on the run's thread": [], "on the writer thread": []}
+    for name, key in (("save", "on the run's thread"), ("_write_in_background", "on the writer thread")):
         inner = getattr(checkpoints.Saver, name)
 
         def timed(*args, _inner=inner, _key=key, **kwargs):
-            began = time.perf_counter()
+            began = time.thread_time()
             try:
                 return _inner(*args, **kwargs)
             finally:
-                times[_key].append(1000 * (time.perf_counter() - began))
+                times[_key].append(1000 * (time.thread_time() - began))
 
         setattr(checkpoints.Saver, name, timed)
     return times
+
+
+def minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def checkpoint_cost(wb, steps: int, repeats: int) -> None:
@@ -102,23 +113,26 @@ def checkpoint_cost(wb, steps: int, repeats: int) -> None:
     saves = timed_saves()
     measured: dict[str, list[float]] = {"none": [], "every 100": []}
     cpu: dict[str, list[float]] = {"none": [], "every 100": []}
+    faults: dict[str, list[float]] = {"none": [], "every 100": []}
     for _ in range(repeats):
         for label, every in (("none", None), ("every 100", 100)):
             folder = tempfile.mkdtemp(prefix="bench-heal-")
             try:
                 options = {"checkpoint_dir": folder, "checkpoint_every": every} if every else {}
-                started = time.process_time()
+                started, faulted = time.process_time(), minor_faults()
                 run = wb.NonReplicator().train(setup=digits_setup, steps=steps, warmup=20, **options)
                 cpu[label].append(1000 * (time.process_time() - started) / steps)
+                faults[label].append(minor_faults() - faulted)
                 measured[label].append(steps_per_sec(run))
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
     print(f"load {os.getloadavg()[0]:.1f} · {steps} steps x {repeats}, interleaved")
     for label, name in (("none", "no checkpoints      "), ("every 100", "checkpoint_every=100")):
         each = ", ".join(f"{v:.0f}" for v in measured[label])
+        each_cpu = ", ".join(f"{v:.2f}" for v in cpu[label])
         print(
             f"  {name}  {statistics.median(measured[label]):8.1f} steps/s (each: {each})"
-            f"  {statistics.median(cpu[label]):.3f} CPU-ms/step"
+            f"  {statistics.median(cpu[label]):.3f} CPU-ms/step (each: {each_cpu})"
         )
     wall = statistics.median(measured["every 100"]) / statistics.median(measured["none"])
     cpu_ratio = statistics.median(cpu["none"]) / statistics.median(cpu["every 100"])
@@ -127,8 +141,10 @@ def checkpoint_cost(wb, steps: int, repeats: int) -> None:
         f"(cost {100 * (1 - cpu_ratio):.1f}%); goal <= 5%"
     )
     # (the first save of each run traces its functions: the medians leave it out by their count)
-    where = ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in saves.items() if v)
-    print(f"  per save (median of {len(saves['on the run thread'])}): {where}")
+    where = ", ".join(f"{k} {statistics.median(v):.2f} CPU-ms" for k, v in saves.items() if v)
+    count = len(saves["on the run's thread"])
+    added = (statistics.median(faults["every 100"]) - statistics.median(faults["none"])) / (count / repeats)
+    print(f"  per save (median of {count}): {where}; {added:.0f} page faults added")
 
 
 def heal_time(wb, cluster=None, label="local") -> None:
@@ -176,10 +192,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cluster", help="also heal on a Ray-placed pool: ray, ray=ADDRESS or ray=local")
+    parser.add_argument("--checkpoint-only", action="store_true", help="only the checkpoint cost (1)")
+    parser.add_argument(
+        "--no-malloc-setting", action="store_true", help="without core/save_buffer.py's malloc setting"
+    )
     args = parser.parse_args()
     import workbench as wb
 
+    if args.no_malloc_setting:
+        from workbench._src.core import checkpoints
+
+        checkpoints.keep_save_buffer_allocated = lambda: False
+        print("without the save buffer's malloc setting (core/save_buffer.py)")
     checkpoint_cost(wb, args.steps, args.repeats)
+    if args.checkpoint_only:
+        return
     heal_time(wb)
     if args.cluster:
         cluster = wb.RayCluster.from_option(args.cluster)

@@ -8,8 +8,8 @@ mmap threshold at 128 KiB the first time a process builds a GeneratorDataset op 
 iterator does, for its per-device generator: `ApplyPython311MemoryPatch`, a mitigation of a
 `from_generator` memory growth on Python 3.11, tensorflow/tensorflow#65675), and a pinned threshold
 no longer adapts: from then on each save maps 8 MiB afresh, the kernel faults in and zeroes its
-2,048 pages, and unmaps them when the save ends. That was about 10 ms of CPU per save for the
-digits MLP, whose whole checkpoint is 0.3 MB (bench/bench_heal.py).
+2,048 pages, and unmaps them when the save ends: 6 to 12 CPU-ms per save for the digits MLP,
+whose whole checkpoint is 0.3 MB (bench/bench_heal.py --no-malloc-setting shows it).
 
 `keep_save_buffer_allocated()` sets the mmap threshold just above that buffer, and the trim
 threshold to twice it (the pair glibc's dynamic rule itself would reach after one save), so the
