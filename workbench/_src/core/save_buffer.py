@@ -5,8 +5,9 @@ that TensorFlow allocates and fills with zeros at every save (tensor_bundle's Fi
 whatever the checkpoint's size. glibc serves such a block from its arenas, and reuses it, once
 a block of that size has been freed (its dynamic mmap threshold). But TensorFlow pins glibc's
 mmap threshold at 128 KiB the first time a process builds a GeneratorDataset op (every tf.distribute
-iterator does, for its per-device generator: `ApplyPython311MemoryPatch`, a mitigation of a
-`from_generator` memory growth on Python 3.11, tensorflow/tensorflow#65675), and a pinned threshold
+iterator does, for its per-device generator: `ApplyPython311MemoryPatch`, by its log message a
+mitigation of "memory leak in Python 3.11", as reported for from_generator in
+tensorflow/tensorflow#65675), and a pinned threshold
 no longer adapts: from then on each save maps 8 MiB afresh, the kernel faults in and zeroes its
 2,048 pages, and unmaps them when the save ends: 6 to 12 CPU-ms per save for the digits MLP,
 whose whole checkpoint is 0.3 MB (bench/bench_heal.py --no-malloc-setting shows it).
@@ -15,7 +16,9 @@ whose whole checkpoint is 0.3 MB (bench/bench_heal.py --no-malloc-setting shows 
 threshold to twice it (the pair glibc's dynamic rule itself would reach after one save), so the
 buffer stays in the arena of the thread that writes it and is reused. Called at a run's first
 periodic save, where the input pipeline exists already (TensorFlow's own setting, made once per
-process, comes first and is replaced). Process-wide, on glibc only (elsewhere: a no-op).
+process, comes first and is replaced). Process-wide, on glibc only (elsewhere: a no-op). Safe
+while other threads allocate as far as TensorFlow's own call is: mallopt takes the main arena's
+lock, and the other arenas read the two values as they allocate.
 """
 
 from __future__ import annotations
