@@ -231,5 +231,9 @@ def test_min_workers_field_is_multi_workers_and_its_magic_line_chooses_the_same_
     line = panel.magic_line.split(" ", 1)[1].split(" --steps")[0]  # "--backend multi-worker --workers 3 ..."
     ipython_shell().run_line_magic("replicate", line)  # pasted, it chooses the same replicator
     assert session.current_or_none() is chosen and chosen.num_workers == 3
+    # ... and the panel follows a magic's --min-workers, as it follows its other choices.
+    ipython_shell().run_line_magic("replicate", "--backend multi-worker --workers 3 --min-workers 1")
+    assert panel.min_workers == 1 and panel._min_workers.value == 1, panel.status
+    assert "--workers 3 --min-workers 1" in panel.magic_line, panel.magic_line
     panel.backend = "async-ps"  # (async-ps goes on without a lost worker: no elastic count)
     assert panel._min_workers.disabled and "--min-workers" not in panel.magic_line, panel.magic_line

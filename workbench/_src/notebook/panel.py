@@ -420,6 +420,7 @@ class Panel(w.VBox):
                 self.backend = backend
             if choice is not None:
                 self.cluster = choice.get("cluster") or ""
+                self.min_workers = choice.get("min_workers") or 0  # (0: the field's "all")
             for trait, key in (("replicas", "num_replicas"), ("workers", "num_workers"), ("ps", "num_ps")):
                 value = (choice or {}).get(key)
                 if value is None and trait == "replicas" and registry.spec(backend).takes_replicas and repl:
