@@ -12,6 +12,7 @@ Run: python bench/bench_heal.py [--steps 3000] [--repeats 3] [--checkpoint-only]
    median CPU-ms per save, and the page faults a save adds (core/save_buffer.py: TensorFlow's
    8 MiB write buffer, faulted in afresh at every save without it). `--no-malloc-setting` runs it
    without core/save_buffer.py's setting (as before it), `--checkpoint-only` skips 2 and 3.
+   Then the write alone, timed in this process with nothing else running (load-independent).
 2. Heal time (goal: <= 10 s on a local pool): multi-worker x2, max_restarts=1, worker 1
    SIGKILLed at step 300 of 600; printed: run.restarts[0]["seconds"] (the loss known -> the next
    step recorded: new processes, cluster join, restore, retrace) and the steps trained again.
@@ -166,6 +167,31 @@ def checkpoint_cost(wb, steps: int, repeats: int) -> None:
     print(f"  accounted on the two threads: {100 * accounted:.1f}% of 100 steps' CPU")
 
 
+def write_cost(wb, saves: int = 40) -> None:
+    """The write alone (one SaveV2 of the digits MLP's checkpoint, as the writer thread calls it),
+    in this process after its runs and with nothing else running: its CPU time and page faults
+    per save do not depend on the machine's load."""
+    import tensorflow as tf
+
+    from workbench._src.core import checkpoints
+
+    folder = tempfile.mkdtemp(prefix="bench-heal-")
+    try:
+        wb.NonReplicator().train(setup=digits_setup, steps=200, checkpoint_dir=folder, checkpoint_every=100)
+        reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(folder))
+        keys = sorted(reader.get_variable_to_shape_map())
+        values = [tf.constant(reader.get_tensor(k)) for k in keys]
+        write = tf.function(lambda prefix: checkpoints._save_v2(prefix, keys, values))
+        write(tf.constant(os.path.join(folder, "probe-0")))  # (traced here)
+        began, faulted = time.process_time(), minor_faults()
+        for i in range(saves):
+            write(tf.constant(os.path.join(folder, f"probe-{i}")))
+        cpu, faults = 1000 * (time.process_time() - began) / saves, (minor_faults() - faulted) / saves
+        print(f"  the write alone (SaveV2, {len(keys)} keys, x{saves}): {cpu:.2f} CPU-ms, {faults:.0f} page faults per save")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def heal_time(wb, cluster=None, label="local") -> None:
     repl = wb.MultiWorkerReplicator(num_workers=2, cluster=cluster)
     repl.train(setup=digits_setup, steps=20)  # a warm pool, as in a notebook after its first run
@@ -224,6 +250,7 @@ def main() -> None:
         checkpoints.keep_save_buffer_allocated = lambda: False
         print("without the save buffer's malloc setting (core/save_buffer.py)")
     checkpoint_cost(wb, args.steps, args.repeats)
+    write_cost(wb)
     if args.checkpoint_only:
         return
     heal_time(wb)
