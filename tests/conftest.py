@@ -9,6 +9,13 @@ import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Ray's auto-connect off, before any test module imports Ray (Ray reads it at import). On, a Ray
+# call after a module's instance was shut down started a new instance in /tmp/ray, tied by Ray to
+# the calling thread: when that thread ended its GCS went, and a minute later Ray ended the whole
+# pytest-xdist worker (the next module's tests: "node down"; reproduced with `pytest -n 1
+# tests/test_ray.py tests/test_pools.py`). The workbench sets the same when it imports Ray itself
+# (placements/ray/cluster.import_ray); a test module imported Ray first.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 os.environ.setdefault("WORKBENCH_RUNS_DIR", os.path.join(os.path.dirname(__file__), "..", "runs", "tests"))
 
 import pytest  # noqa: E402
