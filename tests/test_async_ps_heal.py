@@ -72,12 +72,18 @@ def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on(placement)
     assert list(history["step"]) == list(range(1, run.steps + 1))  # every step once
     workers = list(history["workers"])
     assert workers[:rows_at_kill] == [2] * rows_at_kill
-    # Dropped once the loss was seen, up again once the new server answered, and 2 to the end.
-    dropped = workers.index(1)
-    if placement.name == "local":  # seen by its parent within the chunks in flight (2 per worker of 5 steps)
-        assert rows_at_kill <= dropped <= rows_at_kill + 4 * 5 * 2, (rows_at_kill, dropped)
-    rose = workers.index(2, dropped)
-    assert set(workers[dropped:rose]) == {1} and set(workers[rose:]) == {2}
+    # Dropped once the loss was seen, up again once the new server answered, and 2 to the end. A
+    # local replacement can answer before the next row is recorded (a fork in ~0.1 s on a quiet
+    # machine): then no row ran on one worker, and none says 1.
+    dropped = workers.index(1) if 1 in workers else None
+    if dropped is None:
+        assert placement.name == "local" and set(workers) == {2}, workers
+        dropped = run.restarts[0]["lost_at"]
+    else:
+        if placement.name == "local":  # seen by its parent within the chunks in flight (2 per worker of 5 steps)
+            assert rows_at_kill <= dropped <= rows_at_kill + 4 * 5 * 2, (rows_at_kill, dropped)
+        rose = workers.index(2, dropped)
+        assert set(workers[dropped:rose]) == {1} and set(workers[rose:]) == {2}
     (heal,) = run.restarts
     cause = KILLED[placement.name]
     assert heal["member"] == "worker 1" and heal["cause"] == cause and heal["replaced"], heal
