@@ -13,11 +13,10 @@ process is ended by the pids of the two namespaces (never `ray stop`).
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
-from two_hosts import ray_on_two_hosts, start_driver
+from two_hosts import ASYNC_PS_NODE_CUT, ray_on_two_hosts, read_until, start_driver
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -68,26 +67,13 @@ def test_a_node_lost_mid_run_heals_on_one_worker_and_finishes_as_one_device(two_
     hosts, nodes = two_nodes
     driver, log = start_driver(hosts, nodes, tmp_path, DRIVER)
 
-    def read_until(tag: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = driver.stdout.readline()
-            if not line:
-                break
-            kind, _, data = line.partition(" ")
-            if kind == tag:
-                return json.loads(data)
-        raise AssertionError(
-            f"the driver never said {tag}; its stderr:\n{(tmp_path / 'driver.err').read_text()[-4000:]}"
-        )
-
     try:
-        at_120 = read_until("AT120", 600)
+        at_120 = read_until(driver, tmp_path, "AT120", 600)
         assert sorted(p["node"] for p in at_120["processes"]) == sorted(hosts.addresses), at_120
         hosts.cut()
         driver.stdin.write("cut\n")
         driver.stdin.flush()
-        result = read_until("RESULT", 900)
+        result = read_until(driver, tmp_path, "RESULT", 900)
         print("heals:", result["restarts"])  # (pytest -rP shows it: the heal's seconds)
         assert driver.wait(timeout=120) == 0, (tmp_path / "driver.err").read_text()[-3000:]
 
@@ -113,3 +99,44 @@ def test_a_node_lost_mid_run_heals_on_one_worker_and_finishes_as_one_device(two_
         if driver.poll() is None:
             driver.kill()
         log.close()
+
+
+def test_an_async_ps_worker_whose_node_is_lost_stays_dropped_and_the_run_goes_on(tmp_path):
+    """The node-gone path of an async-ps worker's replacement on Ray (placements/ray/replace.py): a
+    new server elsewhere would not be at the address the coordinator's cluster spec holds, so the
+    worker is not replaced. The loss is named (worker and node) once Ray declares the node dead,
+    the run goes on with the other worker, `workers` drops to 1, nothing is recorded as a heal,
+    and a stop afterwards returns at once."""
+    with ray_on_two_hosts(tmp_path, cpus=(3, 1)) as (hosts, nodes):
+        driver, log = start_driver(hosts, nodes, tmp_path, ASYNC_PS_NODE_CUT)
+        try:
+            training = read_until(driver, tmp_path, "TRAINING", 600)
+            far = [p for p in training["processes"] if p["node"] == hosts.addresses[1]]
+            assert [(p["role"], p["index"]) for p in far] == [("worker", 1)], training["processes"]
+            hosts.cut()
+            driver.stdin.write("cut\n")
+            driver.stdin.flush()
+            result = read_until(driver, tmp_path, "RESULT", 600)
+            print("node lost:", {k: result[k] for k in ("named_s", "stop_s", "rows_after")})
+            assert driver.wait(timeout=120) == 0, (tmp_path / "driver.err").read_text()[-3000:]
+            # Nothing of the run is left on either node (the far one's once its raylet gives up).
+            actors = [p["pid"] for p in training["processes"]]
+            deadline = time.monotonic() + 120
+            while any(pid in hosts.pids() for pid in actors) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert not [pid for pid in actors if pid in hosts.pids()], "actors of the run still alive"
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+            log.close()
+
+    assert result["status"] == "stopped", result
+    lost = [t for t in result["said"] if t.startswith("worker 1 (")]
+    assert len(lost) == 1 and f"its node {hosts.addresses[1]} is gone" in lost[0], result["said"]
+    assert result["named_s"] < 30, result  # (Ray's health check here: dead after ~5 missed 1-s checks)
+    assert result["rows_after"] >= 100, result  # the other worker went on
+    workers = result["workers"]
+    assert workers[0] == 2 and workers[-1] == 1, workers
+    assert result["restarts"] == [], result["restarts"]
+    assert result["stop_s"] < 10, result
+    assert not any("could not take" in t for t in result["said"]), result["said"]  # (no new server tried)

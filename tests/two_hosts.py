@@ -10,6 +10,7 @@ Ray node on each (test_ray_two_nodes.py, test_breakdown.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -103,10 +104,11 @@ WORKBENCH = [sys.executable, "-m", "workbench.cli"]
 
 
 class RayNodes:
-    """`ray start` on each of the two hosts, with a token; ended with the hosts (TwoHosts.close)."""
+    """`ray start` on each of the two hosts, with a token; ended with the hosts (TwoHosts.close).
+    `cpus`: the CPUs each node declares to Ray (its `--num-cpus`), which decide what fits where."""
 
-    def __init__(self, hosts: TwoHosts):
-        self.hosts = hosts
+    def __init__(self, hosts: TwoHosts, cpus: tuple[int, int] = (1, 1)):
+        self.hosts, self.cpus = hosts, cpus
         self.head = f"{hosts.addresses[0]}:6379"
         self.env = {
             "RAY_AUTH_MODE": "token",
@@ -124,11 +126,12 @@ class RayNodes:
         self.temp_dirs = [tempfile.mkdtemp(prefix="wbray", dir="/tmp") for _ in range(2)]
 
     def start(self, log_dir: Path) -> None:
-        ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats", "--num-cpus=1"]
+        ray = [sys.executable, "-m", "ray.scripts.scripts", "start", "--disable-usage-stats"]
         self._start(
             0,
             [
                 *ray,
+                f"--num-cpus={self.cpus[0]}",
                 "--head",
                 f"--node-ip-address={self.hosts.addresses[0]}",
                 "--port=6379",
@@ -141,6 +144,7 @@ class RayNodes:
             1,
             [
                 *ray,
+                f"--num-cpus={self.cpus[1]}",
                 f"--address={self.head}",
                 f"--node-ip-address={self.hosts.addresses[1]}",
                 f"--temp-dir={self.temp_dirs[1]}",
@@ -168,12 +172,13 @@ class RayNodes:
 
 
 @contextlib.contextmanager
-def ray_on_two_hosts(log_dir: Path):
-    """Two network-namespace hosts with a Ray node on each (the head on the first): yields
-    (hosts, nodes); ends every process of both namespaces by pid, then the nodes' folders, also
-    after a failed start (Ray's 30-s limit for a node, under load, once left two)."""
+def ray_on_two_hosts(log_dir: Path, cpus: tuple[int, int] = (1, 1)):
+    """Two network-namespace hosts with a Ray node on each (the head on the first), declaring
+    `cpus` to Ray: yields (hosts, nodes); ends every process of both namespaces by pid, then the
+    nodes' folders, also after a failed start (Ray's 30-s limit for a node, under load, once left
+    two)."""
     hosts = TwoHosts()
-    nodes = RayNodes(hosts)
+    nodes = RayNodes(hosts, cpus)
     try:
         nodes.start(log_dir)
         yield hosts, nodes
@@ -203,3 +208,55 @@ def start_driver(hosts: TwoHosts, nodes: RayNodes, tmp_path: Path, source: str):
         cwd=tmp_path,
     )
     return driver, log
+
+
+def read_until(driver, tmp_path: Path, tag: str, timeout: float) -> dict:
+    """The JSON of the driver's next stdout line `TAG {...}`; fails with the driver's stderr when
+    it ends or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = driver.stdout.readline()
+        if not line:
+            break
+        kind, _, data = line.partition(" ")
+        if kind == tag:
+            return json.loads(data)
+    raise AssertionError(
+        f"the driver never said {tag}; its stderr:\n{(tmp_path / 'driver.err').read_text()[-4000:]}"
+    )
+
+
+# A driver (start_driver) for an async-ps run whose worker 1 loses its node: with
+# `ray_on_two_hosts(..., cpus=(3, 1))`, "pack" and a CPU per process put the coordinator, the ps and
+# worker 0 on the head and worker 1 alone on the far node. It says TRAINING (the processes) at 50
+# rows, waits for a line on stdin (the test has cut the link), waits for the loss to be named and
+# for 100 more rows, stops the run, and says RESULT (how long the naming and the stop took).
+ASYNC_PS_NODE_CUT = r"""
+import json, sys, time
+import workbench as wb
+
+cell, head = sys.argv[1], sys.argv[2]
+cluster = wb.RayCluster(address=head, resources_per_worker={"CPU": 1}, placement="pack")
+repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, cluster=cluster)
+run = repl.train_cell(cell, {}, steps=10**6, background=True, steps_per_execution=5)
+while run.steps < 50 and run.running:
+    time.sleep(0.01)
+print("TRAINING " + json.dumps({"rows": run.steps, "processes": run.processes}), flush=True)
+sys.stdin.readline()  # the test has cut the link
+cut = time.monotonic()
+said = lambda: [e.data.get("text", "") for e in run.events if e.kind == "message"]
+while run.running and not any("worker 1 (" in t for t in said()) and time.monotonic() - cut < 120:
+    time.sleep(0.05)
+named = time.monotonic() - cut
+rows = run.steps
+while run.running and run.steps < rows + 100 and time.monotonic() - cut < 240:
+    time.sleep(0.05)
+stopping = time.monotonic()
+run.stop()
+run.wait(timeout=60)
+stopped = time.monotonic() - stopping
+out = {"status": run.status, "named_s": named, "stop_s": stopped, "rows_after": run.steps - rows,
+       "workers": run.history["workers"].tolist(), "restarts": run.restarts, "said": said()}
+repl.shutdown()
+print("RESULT " + json.dumps(out, default=str), flush=True)
+"""
