@@ -1173,6 +1173,21 @@ def _snapshot_steps(page, cell: int) -> dict[int, int]:
     return {int(k): v for k, v in json.loads(text[text.index("SNAPSHOTS") + len("SNAPSHOTS") :]).items()}
 
 
+def _box(locator) -> dict:
+    """The element's bounding box once it is visible. (Playwright returns None for an element
+    not visible at that instant: once, on a loaded machine, the sidebar's tab while JupyterLab
+    re-rendered its tab bar.)"""
+    from playwright.sync_api import expect
+
+    for _ in range(10):
+        expect(locator).to_be_visible()
+        box = locator.bounding_box()
+        if box is not None:
+            return box
+        time.sleep(0.2)
+    raise AssertionError(f"{locator} stayed without a bounding box (not visible)")
+
+
 def _views_agree(samples: list[dict], steps: dict[int, int], name: str) -> list[str]:
     """Each instant: the header, the sidebar card and the status bar show snapshots at most one
     apart, each view the steps of the snapshot it says; the progress bar the header's snapshot or
@@ -1315,8 +1330,8 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     for where, node in (("sidebar", sidebar), ("dashboard", dashboard)):
                         cut = node.evaluate(CUT_TEXTS_JS)
                         assert cut == [], f"cut in the {where}: {cut}"
-                    tab = page.locator("li[data-id='replicator-workbench-sidebar']").bounding_box()
-                    title = sidebar.locator(".wb-title").bounding_box()
+                    tab = _box(page.locator("li[data-id='replicator-workbench-sidebar']"))
+                    title = _box(sidebar.locator(".wb-title"))
                     assert title["x"] + title["width"] <= tab["x"], "the sidebar's heading runs under its tab"
                     report += _views_agree(samples, _snapshot_steps(page, 4), "async-ps")
                     running.locator(".wb-stop").click()

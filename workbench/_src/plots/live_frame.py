@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 
 X_GRID = 4  # the step axis ends at the first of 10^(k/4) (steps of ~78%) past the last step
-Y_CELLS = 2  # a linear axis snaps to a grid of 1/2 of its span's decade; a log axis to 1/4 decade
+Y_CELLS = 2  # a linear axis snaps to a grid of 1/2 of its span's decade; a log axis' top to 1/4 decade
+LOG_BOTTOM_GRID = 1.0  # decades: a log axis' bottom snaps to whole decades
+TOP_LADDER = 10  # a linear axis of values >= 0 ends at the first of 10^(k/10) past 1.05x its top
 
 
 def fit_limits(ax, x, ys, log: bool) -> None:
@@ -34,11 +36,18 @@ def fit_limits(ax, x, ys, log: bool) -> None:
         return
     lo, hi = float(finite.min()), float(finite.max())
     if log:
-        a, b = _snapped(math.log10(lo), math.log10(hi), 0.25)
+        # The bottom on whole decades: a loss falling by orders of magnitude (what puts a panel on
+        # a log scale) moved a quarter-decade grid at almost every frame, each a full drawing.
+        (a, _), (_, b) = _snapped(math.log10(lo), 0, LOG_BOTTOM_GRID), _snapped(0, math.log10(hi), 0.25)
         ax.set_ylim(10**a, 10**b)
     else:
         span = hi - lo or abs(hi) or 1.0
-        ax.set_ylim(*_snapped(lo, hi, 10 ** math.floor(math.log10(span)) / Y_CELLS))
+        bottom, top = _snapped(lo, hi, 10 ** math.floor(math.log10(span)) / Y_CELLS)
+        if lo >= 0 and hi > 0:
+            # Rates (examples/s) climb for a while and set a new highest value at most frames:
+            # the top on a ladder of ~26% steps moves a few times per doubling, not at each.
+            top = 10 ** (math.ceil(math.log10(hi * 1.05) * TOP_LADDER) / TOP_LADDER)
+        ax.set_ylim(bottom, top)
 
 
 def _snapped(lo: float, hi: float, step: float) -> tuple[float, float]:

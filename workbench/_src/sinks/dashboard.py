@@ -16,6 +16,7 @@ store; there are no controls.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -116,7 +117,10 @@ class Dashboard(DashboardView):
         self.render_threads: set[str] = set()
         self.render_times: list[float] = []
         self.render_costs: list[float] = []
-        self._budget = DrawingBudget(render_budget, self.period)  # when the figure may be drawn next
+        # When the figure may be drawn next. It is drawn per snapshot, and snapshots come at least
+        # REFRESH_SECONDS (= the period) apart: frames held that far apart too skipped a snapshot
+        # whenever one came a little early after the last drawing's start. Half of it: no skips.
+        self._budget = DrawingBudget(render_budget, self.period / 2)
         self.cpu_seconds = 0.0  # CPU the renderer thread used while the run went (all refreshes)
         self.error: BaseException | None = None
         self.smoothing: float | None = _choice["smoothing"]
@@ -124,6 +128,9 @@ class Dashboard(DashboardView):
         self._progress = progress
         self._ended: dict | None = None
         self._wake = threading.Event()
+        # The header and the bar are set from two threads (the run's, at each snapshot; ours, for
+        # messages and the end): one at a time, each with the latest snapshot, so never backwards.
+        self._view_lock = threading.Lock()
         self._plot_wake = threading.Event()  # a new snapshot or a control: the figure thread draws
         self._thread: threading.Thread | None = None
         self._plot_thread: threading.Thread | None = None
@@ -153,7 +160,11 @@ class Dashboard(DashboardView):
             self.history.add(event.data["rows"])
             if "snapshot" in event.data:  # the run's one snapshot (core/live.py): shown now
                 self.snapshot = event.data["snapshot"]
-                self._wake.set()
+                # The header and the bar on this thread, as the sidebar's card is pushed from it
+                # (notebook/labcomm.py): handed to a thread of ours, on a loaded machine the
+                # header waited for a CPU and the GIL and fell two snapshots behind the card.
+                # Cheap (they read the snapshot alone); the figure has its own thread.
+                self._show_snapshot()
                 self._plot_wake.set()
             return
         if event.kind == "started":
@@ -296,9 +307,19 @@ class Dashboard(DashboardView):
         self._redraw_requested = True
         self._plot_wake.set()  # (a renderer that has ended is not woken: nothing is drawn)
 
+    def _show_snapshot(self) -> None:
+        try:
+            self._refresh(final=False)
+        except Exception as e:  # noqa: BLE001 - a broken view must not touch training
+            self.error = e
+
     def _refresh(self, final: bool) -> None:
         """The header and the bar, from the latest snapshot (every refresh reads `self.snapshot`
         once: the numbers beside each other are one snapshot's); at the end, the final figure."""
+        with self._view_lock:
+            self._refresh_views(final)
+
+    def _refresh_views(self, final: bool) -> None:
         if self.status == "closed":
             self._bar.close() if self._bar is not None else None
             return
@@ -309,9 +330,14 @@ class Dashboard(DashboardView):
                 )
             return
         snapshot = self.snapshot
-        columns, fig = shown(self.history.snapshot(), snapshot, self.status, final, self.target)
-        summary = run_plot.summarize(columns)
-        self._update_bar(summary, fig, run_plot.metric_names(columns), final)
+        if snapshot is not None and not final:  # the snapshot alone: no pass over the history
+            columns, fig = {}, snapshot
+            last = {k: math.nan if v is None else v for k, v in snapshot.get("metrics", {}).items()}
+            summary, names = {"steps": snapshot["steps"], **last}, run_plot.metric_names(last)
+        else:
+            columns, fig = shown(self.history.snapshot(), snapshot, self.status, final, self.target)
+            summary, names = run_plot.summarize(columns), run_plot.metric_names(columns)
+        self._update_bar(summary, fig, names, final)
         title = run_plot.title_for(self.config, self.status, columns, self.name, self.target, fig=fig)
         if self.frontend == "widgets":
             reason = shown_reason(self.status, (self._ended or {}).get("reason"))
