@@ -1,8 +1,9 @@
 """A local Ray instance (`--cluster ray=local`) is as closed as a local pool (issue 39): no process
 of it, nor this process (Ray's driver), holds a listener another host could reach, TensorFlow's
 servers in its actors included (they bind every interface: the instance lives in a loopback-only
-network namespace, placements/ray/local_network.py). Where a process with threads may not join a
-namespace (not root), the start keeps the host network and warns once.
+network namespace, started there by a thread of its own that lives as long as the instance:
+placements/ray/instance_owner.py). Where a process with threads may not join a namespace (not
+root), the start keeps the host network and warns once.
 
 Real Ray, real TensorFlow servers, real namespaces; every check looks only at the processes this
 test started (the pool's, the instance's, this process), never at the whole machine. The instance

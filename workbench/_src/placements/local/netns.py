@@ -255,13 +255,13 @@ def _loopback(address: str) -> bool:
     return (mapped or ip).is_loopback
 
 
-def non_loopback_listeners(pid: int) -> list[tuple[str, str, int]]:
-    """(network namespace, address, port) of each listening TCP socket that process `pid` holds
-    itself (not its namespace's other processes') and another host could reach: bound to a
-    wildcard or non-loopback address, in a namespace with more than a loopback device. Every
-    namespace one of its threads is in is read: a thread can be in another network than its
-    process's main thread (a kernel's Ray threads are: placements/ray/local_network.py). A socket
-    made in a namespace none of its threads is in any more is not seen."""
+def own_listeners(pid: int) -> list[tuple[str, str, int, bool]]:
+    """(network namespace, address, port, closed) of each listening TCP socket that process `pid`
+    holds itself (not its namespace's other processes'); `closed`: in a loopback-only namespace.
+    Every namespace one of its threads is in is read: a thread can be in another network than its
+    process's main thread (a kernel's Ray threads are: placements/ray/instance_owner.py), and
+    /proc/<pid>/net (psutil's source too) shows only the main thread's. A socket made in a
+    namespace none of its threads is in any more is not seen."""
     found, sockets, networks = [], set(), {}
     for path, kind in ((f"/proc/{pid}/fd", "fd"), (f"/proc/{pid}/task", "task")):
         try:
@@ -278,15 +278,19 @@ def non_loopback_listeners(pid: int) -> list[tuple[str, str, int]]:
                 pass
     for network, thread in networks.items():
         try:
-            if interfaces(thread) == ["lo"]:
-                continue
+            closed = interfaces(thread) == ["lo"]
             rows = _listening_rows(thread)
         except OSError:
             continue
-        for address, port, inode in rows:
-            if f"socket:[{inode}]" in sockets and not _loopback(address):
-                found.append((network, address, port))
+        found += [(network, a, port, closed) for a, port, inode in rows if f"socket:[{inode}]" in sockets]
     return found
+
+
+def non_loopback_listeners(pid: int) -> list[tuple[str, str, int]]:
+    """(network namespace, address, port) of each listening TCP socket that process `pid` holds
+    itself and another host could reach: bound to a wildcard or non-loopback address, in a
+    namespace with more than a loopback device (own_listeners)."""
+    return [(n, a, port) for n, a, port, closed in own_listeners(pid) if not closed and not _loopback(a)]
 
 
 def _listening_rows(proc_entry: str) -> list[tuple[str, int, str]]:
