@@ -106,7 +106,7 @@ def test_a_local_ray_instance_listens_on_loopback_only_and_its_token_file_is_the
         )
         # Ray's servers bind loopback, and all of them (the driver's too) are in a loopback-only
         # network (placements/ray/instance_owner.py); the actor's TensorFlow server would be too.
-        wide = [entry for entry in listeners if entry[2] not in ("127.0.0.1", "::ffff:127.0.0.1")]
+        wide = [entry for entry in listeners if entry[2] not in ("127.0.0.1", "::ffff:127.0.0.1", "::ffff:7f00:1")]
         assert wide == [], f"listeners beyond loopback: {wide}"
         assert all(closed for *_, closed in listeners), f"outside the private network: {listeners}"
         ports = sorted({port for _, _, _, port, _ in listeners}) + [said["control_port"]]
