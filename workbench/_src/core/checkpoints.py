@@ -28,6 +28,7 @@ from workbench._src import compat
 from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.core.optimizer import ReplicatedOptimizer
 from workbench._src.core.resume import STATE_NAME, RunState
+from workbench._src.core.save_buffer import keep_save_buffer_allocated
 from workbench._src.core.tf_setup import tf
 
 STEP = "step"  # the workbench's step counter entry
@@ -118,6 +119,8 @@ class Saver:
         if background and self._write is not None:  # (the first save traces, here)
             if self._copy_and_write is None:
                 self._copy_and_write = _copy_then_write(self.step_checkpoint)
+                # (each run: a pipeline built since may have reset it; core/save_buffer.py)
+                keep_save_buffer_allocated()
             if self._copy_and_write:
                 copy, write = self._copy_and_write
                 values = copy()
