@@ -9,6 +9,13 @@ import time
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Ray's auto-connect off, before any test module imports Ray (Ray reads it at import). On, a Ray
+# call after a module's instance was shut down started a new instance in /tmp/ray, tied by Ray to
+# the calling thread: when that thread ended its GCS went, and a minute later Ray ended the whole
+# pytest-xdist worker (the next module's tests: "node down"; reproduced with `pytest -n 1
+# tests/test_ray.py tests/test_pools.py`). The workbench sets the same when it imports Ray itself
+# (placements/ray/cluster.import_ray); a test module imported Ray first.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 os.environ.setdefault("WORKBENCH_RUNS_DIR", os.path.join(os.path.dirname(__file__), "..", "runs", "tests"))
 
 import pytest  # noqa: E402
@@ -208,3 +215,58 @@ def notebook(tmp_path):
         for name in ("model", "step_fn", "input_fn", "repl"):
             shell.user_ns.pop(name, None)
         yield shell
+
+
+# ----- a pytest-xdist worker that dies says how ---------------------------------------------------
+# "node down: Not properly terminated" names the test it was running, not why: a signal, a C++
+# abort (Ray's checks, TensorFlow's), the interpreter's own fatal error. Each worker keeps the test
+# it runs, and on a fatal signal every thread's Python stack (faulthandler), in a file of its own;
+# a worker that ends normally removes it, so the files left are those of dead workers, printed at
+# the end of the controller's summary. (No file says how for SIGKILL: nothing runs in the process.)
+CRASH_DIR_ENV = "WORKBENCH_TEST_CRASH_DIR"
+_crash_file = None
+
+
+@pytest.hookimpl(trylast=True)  # (after pytest's faulthandler plugin, which points it at stderr)
+def pytest_configure(config):
+    global _crash_file
+    import faulthandler
+    import tempfile
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        os.environ[CRASH_DIR_ENV] = tempfile.mkdtemp(prefix=f"workbench-test-crashes-{os.getpid()}-")
+    elif os.environ.get(CRASH_DIR_ENV):
+        path = os.path.join(os.environ[CRASH_DIR_ENV], f"{worker}-pid{os.getpid()}.log")
+        _crash_file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open as long as the worker
+        faulthandler.enable(file=_crash_file, all_threads=True)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _crash_file is not None:
+        _crash_file.seek(0)
+        _crash_file.truncate()
+        _crash_file.write(f"{time.strftime('%H:%M:%S')} running {nodeid}\n")
+        _crash_file.flush()
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if _crash_file is not None:  # a worker ending normally: nothing to say
+        _crash_file.close()
+        os.remove(_crash_file.name)
+    elif os.environ.get("PYTEST_XDIST_WORKER") is None and os.environ.get(CRASH_DIR_ENV):
+        shutil.rmtree(os.environ.pop(CRASH_DIR_ENV), ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    folder = os.environ.get(CRASH_DIR_ENV)
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None or not folder or not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f if not line.startswith("Extension modules:")]
+        text = "".join(lines)  # the test, the fatal error, then each thread's stack
+        terminalreporter.write_sep("=", f"pytest-xdist worker {name.removesuffix('.log')} died")
+        terminalreporter.write_line(text[:4000] or "(nothing written)")

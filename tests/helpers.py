@@ -6,6 +6,7 @@ import tests/.
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import socket
@@ -16,6 +17,7 @@ import uuid
 import cloudpickle
 import numpy as np
 import psutil
+import pytest
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -284,3 +286,52 @@ def assert_same_checkpoints(a, b, atol=1e-6) -> None:
     worst = max(float(np.max(np.abs(ta[k] - tb[k]))) for k in ta)
     assert worst <= atol, f"largest difference between the two runs' variables: {worst:.3g}"
 
+
+# ----- the placements a pool may have (tests/test_pools.py, tests/test_async_ps_heal.py) -----------
+class PlacementUnderTest:
+    """What a test needs to know of one placement: the replicators' options and how a killed
+    member's end is said."""
+
+    def __init__(self, name: str, cluster=None):
+        self.name, self.cluster = name, cluster
+        # Local: the exit status; Ray: the actor's death (Ray's report, or /proc on this node).
+        self.killed = "killed by SIGKILL" if cluster is None else "died:"
+
+    def options(self, **options) -> dict:
+        return {**options, "cluster": self.cluster} if self.cluster is not None else options
+
+
+def ray_instance():
+    """A local Ray instance of this process (`wb.RayCluster(address=None)`), its members packed
+    on it; ended with `cluster.shutdown()`, which ends what is left of it by pid (never `ray
+    stop`, which ends every Ray instance of the machine)."""
+    pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
+    import ray
+
+    import workbench as wb
+    from workbench._src.launch import pool as pools
+    from workbench._src.placements.proc import pid_alive, pids_naming, process_tree
+
+    assert not ray.is_initialized(), "a Ray connection was left by another test module"
+    cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
+    cluster.connect()
+    root = cluster.local_root  # every process the instance starts names it in its command line
+    try:
+        yield cluster
+    finally:
+        pools.shutdown()
+        instance = [pid for pid, _ in process_tree(pids_naming(root))]  # (agents retitle themselves)
+        cluster.shutdown()
+        # Nothing of it outlives the shutdown by more than its grace (its agents included).
+        wait_for(lambda: not any(pid_alive(pid) for pid in instance), 15, "the Ray instance's processes to end")
+        assert not os.path.exists(root)
+
+
+def placement_under_test(name: str):
+    """The `placement` fixture's body (each module that tests both defines it, module-scoped, with
+    params=["local", "ray"]): local processes, or Ray actors on a local Ray instance."""
+    if name == "local":
+        yield PlacementUnderTest("local")
+    else:
+        for cluster in ray_instance():
+            yield PlacementUnderTest("ray", cluster)

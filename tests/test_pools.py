@@ -25,7 +25,7 @@ import time
 import cloudpickle
 import psutil
 import pytest
-from helpers import process_pid, regression_setup, wait_for
+from helpers import placement_under_test, process_pid, regression_setup, wait_for
 
 import workbench as wb
 from workbench._src.launch import pool as pools
@@ -35,51 +35,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_orphans")]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class PlacementUnderTest:
-    """What a test needs to know of one placement: the replicators' options and how a killed
-    member's end is said."""
-
-    def __init__(self, name: str, cluster=None):
-        self.name, self.cluster = name, cluster
-        # Local: the exit status; Ray: the actor's death (Ray's report, or /proc on this node).
-        self.killed = "killed by SIGKILL" if cluster is None else "died:"
-
-    def options(self, **options) -> dict:
-        return {**options, "cluster": self.cluster} if self.cluster is not None else options
-
-
-def _ray_instance():
-    """A local Ray instance of this process (`wb.RayCluster(address=None)`), its members packed
-    on it; ended with `cluster.shutdown()`, which ends what is left of it by pid (never `ray
-    stop`, which ends every Ray instance of the machine)."""
-    pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
-    import ray
-
-    from workbench._src.placements.proc import pid_alive, pids_naming, process_tree
-
-    assert not ray.is_initialized(), "a Ray connection was left by another test module"
-    cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
-    cluster.connect()
-    root = cluster.local_root  # every process the instance starts names it in its command line
-    try:
-        yield cluster
-    finally:
-        pools.shutdown()
-        instance = [pid for pid, _ in process_tree(pids_naming(root))]  # (agents retitle themselves)
-        cluster.shutdown()
-        # Nothing of it outlives the shutdown by more than its grace (its agents included).
-        wait_for(lambda: not any(pid_alive(pid) for pid in instance), 15, "the Ray instance's processes to end")
-        assert not os.path.exists(root)
-
-
 @pytest.fixture(scope="module", params=["local", "ray"])
 def placement(request):
     """Each test that takes it runs once with local processes and once with Ray actors."""
-    if request.param == "local":
-        yield PlacementUnderTest("local")
-    else:
-        for cluster in _ray_instance():
-            yield PlacementUnderTest("ray", cluster)
+    yield from placement_under_test(request.param)
 
 
 def pids(run) -> list[int]:
@@ -204,9 +163,10 @@ def test_a_frozen_member_is_named_and_nothing_of_its_pool_is_left(placement):
 def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_starts_fresh(placement):
     """An async-ps run goes on without a lost worker; a stop then ends it within 10 s (it once
     hung: the coordinator's result queued behind TensorFlow's clear_session), and the next run
-    finds no trace of the lost worker: on Ray a fresh pool, the last one not being whole; locally
-    the worker is replaced in the run, so the pool is whole again once the new one answered
-    (kept), or not yet when the stop came (fresh)."""
+    finds no trace of the lost worker. On both placements the worker is replaced in the run (a
+    new server at its address: locally by the coordinator, on Ray by a new actor in its bundle),
+    so the pool is whole again once the new one answered (kept, with the new worker), or not yet
+    when the run ended (retired: a fresh pool, and the next run says why)."""
     repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
     run = repl.train(setup=regression_setup, steps=1_000_000, steps_per_execution=5, background=True)
     wait_for(lambda: run.steps >= 50 or run.ended, 180, "the run to step")
@@ -221,8 +181,12 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     assert run.status == "stopped" and time.monotonic() - stopping < 10, (run.status, run.stop_reason)
     second = repl.train(setup=regression_setup, steps=10)
     assert second.status == "finished" and victim not in pids(second), second.stop_reason
-    if placement.name == "ray":
+    if process_pid(second, "coordinator", 0) == process_pid(run, "coordinator", 0):  # kept: whole again
+        assert alive(process_pid(second, "worker", 1)), second.processes
+    else:  # the run ended before the new worker answered
         assert not set(pids(second)) & set(first)
+        notes = [t for t in messages(second) if "fresh" in t]
+        assert len(notes) == 1 and "worker 1" in notes[0], messages(second)
     repl.shutdown()
     wait_for(lambda: not any(alive(p) for p in pids(second)), 30, "the pool's processes to end")
 

@@ -9,12 +9,14 @@ import threading
 import time
 
 from workbench._src.backends.async_breakdown import AsyncBreakdown
+from workbench._src.backends.placed_workers import PlacedWorkers
 from workbench._src.backends.worker_watch import WorkerWatch
 from workbench._src.core.errors import InputError, WorkerError
 from workbench._src.core.inputs import InputContext, call_input_fn
 from workbench._src.core.program import Program, _is_infinite, call_compiled
 from workbench._src.core.run_stats import heal_line
 from workbench._src.core.tf_setup import tf
+from workbench._src.launch.runtime import is_launched
 
 # Seconds the chunks in flight when a worker is declared lost may still come back: those on the
 # other workers are done by then (a chunk is ~CHUNK_SECONDS), those on the lost one never are.
@@ -106,8 +108,12 @@ class CoordinatorExecutor:
         self.program, self.repl = program, program.replicator
         self.max_in_flight = 2 * self.repl.num_workers
         self.run = None
-        self.unreachable: set[str] = set()  # workers a fetch failed with (servers we do not watch)
+        # Workers a fetch failed with (servers we do not watch), and when: one not replaced since
+        # leaves its pool not whole (said at close()).
+        self.unreachable: dict[str, float] = {}
+        self.replaced_at: dict[str, float] = {}  # worker name -> when its replacement answered
         self.watch: WorkerWatch | None = None  # probes the workers of a cluster we did not start
+        self.placed: PlacedWorkers | None = None  # servers a placement watches for us (a Ray pool)
         self._stop_seen: float | None = None  # when this run's stop request was first seen
         self._left_behind = False
         self.breakdown: AsyncBreakdown | None = None
@@ -117,6 +123,8 @@ class CoordinatorExecutor:
         if self.program.timing:
             self.breakdown = AsyncBreakdown(self.program, run)
         self.executed_before = int(self.repl.executed_steps.numpy())
+        if self.repl.servers is None:
+            self.placed = PlacedWorkers()
         timeout = self.repl.plan.worker_timeout
         if self.repl.servers is None and timeout and self.repl.worker_addresses:
             addresses = self.repl.worker_addresses
@@ -249,13 +257,10 @@ class CoordinatorExecutor:
             # Servers we do not watch (a Ray pool's actors, a real cluster's hosts): the error
             # names the worker and no parameter server. A lost PS is the launcher's to report,
             # or TensorFlow's next error names it.
-            if name not in self.unreachable and self.run is not None:
-                self.unreachable.add(name)  # (once per worker: TensorFlow keeps retrying it)
-                self.run.publish(
-                    "message",
-                    text=f"{name} is unreachable: its steps run again on the other workers",
-                    worker_unreachable=int(name.split()[-1]),  # (the launcher retires its pool after the run)
-                )
+            said = name in self.unreachable or (self.placed is not None and name in self.placed.gone())
+            self.unreachable[name] = time.monotonic()
+            if not said and self.run is not None:  # (once per worker: TensorFlow keeps retrying it)
+                self.run.publish("message", text=f"{name} is unreachable: its steps run again on the other workers")
             return None
         raise _translated_input_error(error) from None
 
@@ -266,36 +271,60 @@ class CoordinatorExecutor:
         return {"workers": self._live_workers()}
 
     def _live_workers(self) -> int:
-        return self.watch.live() if self.watch is not None else self.repl.live_workers()
+        if self.placed is None or not self.placed.lost:
+            return self.watch.live() if self.watch is not None else self.repl.live_workers()
+        silent = set(self.watch.lost) if self.watch is not None else set()  # (a copy: the watch's thread)
+        return self.repl.num_workers - len(silent | self.placed.gone())
 
     def _check_servers(self) -> None:
-        if self.repl.servers is not None:  # (a real cluster's servers are not ours to watch)
-            for replacement in self.repl.servers.check(self.run):
-                self._record_replacement(replacement)
-        elif self.watch is not None:
+        if self.repl.servers is not None:  # our own children (placements/local/servers.py)
+            for r in self.repl.servers.check(self.run):
+                process = {"role": "worker", "index": r.index, "pid": r.child.pid}
+                self._record_replacement(r.index, r.cause, r.seconds, r.lost_step, process)
+            return
+        if self.placed is not None and self.run is not None:  # a placement's (a Ray pool's actors)
+            for heal in self.placed.read(self.run, self._live_workers):
+                self._record_replacement(**heal)
+            if self.placed.lost and self._live_workers() == 0 and not self.placed.coming():
+                raise WorkerError(
+                    f"every async-ps worker has died (all {self.repl.num_workers}) and none could be "
+                    "replaced; training cannot go on. Fix: see the lines above for why each was not, "
+                    "and run again, from the last checkpoint if you saved one.",
+                    task="worker",
+                )
+        if self.watch is not None:
             self._say_worker_changes()
 
-    def _record_replacement(self, replacement) -> None:
-        """A lost worker's replacement answers (placements/local/servers.py): the run is whole
-        again. It is a heal in run.restarts, marked on the step axis as a restart is, but nothing
-        was resumed or re-run (the other workers went on): `step` is the step it rejoined at."""
+    def _record_replacement(self, index: int, cause: str, seconds: float, lost_at: int, process: dict) -> None:
+        """A lost worker's replacement answers (its server listens at the lost one's address): the
+        run is whole again. It is a heal in run.restarts, marked on the step axis as a restart is,
+        but nothing was resumed or re-run (the other workers went on): `step` is the step it
+        rejoined at, `seconds` from the loss to the new server answering."""
         run = self.run
         if run is None:
             return
+        self.replaced_at[f"worker {index}"] = time.monotonic()
         record = {
-            "member": f"worker {replacement.index}",
-            "cause": replacement.cause,
+            "member": f"worker {index}",
+            "cause": cause,
             "step": run.steps,
-            "seconds": round(replacement.seconds, 2),  # from the loss to the new worker answering
-            "lost_at": replacement.lost_step,
+            "seconds": round(seconds, 2),
+            "lost_at": lost_at,
             "replaced": True,
         }
         run.restarts.append(record)
-        new = {"role": "worker", "index": replacement.index, "pid": replacement.child.pid}
-        run.publish(
-            "restart", run_step=run.steps, snapshot=run.snapshot, process=new, **record
-        )  # (no rows go)
+        run.publish("restart", run_step=run.steps, snapshot=run.snapshot, process=process, **record)  # (no rows go)
         run.publish("message", text=heal_line(record, run.restarts))
+
+    def _say_pool_not_whole(self) -> None:
+        """A worker a fetch failed with that no replacement answered for since: the launcher
+        retires the pool after the run (an event it reads, not a line: the loss was said). Only a
+        launched coordinator has a launcher: a real cluster's run keeps no such event."""
+        if not is_launched():
+            return
+        for name, at in self.unreachable.items():
+            if self.run is not None and self.replaced_at.get(name, at) <= at:
+                self.run.publish("pool", worker_unreachable=int(name.split()[-1]))
 
     def explain(self, error: BaseException) -> BaseException:
         """A failure while a server is dying (e.g. during a checkpoint save) is the server's death."""
@@ -320,6 +349,7 @@ class CoordinatorExecutor:
     def close(self) -> None:
         if self.watch is not None:
             self.watch.stop()
+        self._say_pool_not_whole()
         if self.breakdown is not None and self.healthy():
             self.breakdown.close()
         run = self.run

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 
 BACKEND_ENV = "WORKBENCH_BACKEND"  # {"backend": "multi-worker", "options": {...}}
 TASK_ENV = "WORKBENCH_TASK"  # "worker:1" / "ps:0": which member this process is (every placement)
 _launched = False
 _replicator = None
+# What this process's placement says, by its own link, about members it placed and watches for
+# the run going on here (a Ray pool's async-ps worker servers: one lost, replaced or dropped):
+# the Ray member's `deliver` puts it here (placements/ray/member.py), the coordinator's run reads
+# it (backends/placed_workers.py). Both sit above this layer; neither imports the other.
+_placement_news: queue.Queue = queue.Queue()
 
 
 def mark_launched() -> None:
@@ -48,3 +54,18 @@ def process_replicator():
         spec = json.loads(os.environ[BACKEND_ENV])
         _replicator = backend_class(spec["backend"])(**spec["options"])
     return _replicator
+
+
+def tell_placement_news(news: dict) -> None:
+    """Called by this process's placement link with one piece of news for the run going on here."""
+    _placement_news.put(news)
+
+
+def placement_news() -> list[dict]:
+    """The placement's news since the last call, oldest first (each once)."""
+    said = []
+    while True:
+        try:
+            said.append(_placement_news.get_nowait())
+        except queue.Empty:
+            return said

@@ -38,8 +38,8 @@ def fit_limits(ax, x, ys, log: bool) -> None:
     if log:
         # The bottom on whole decades: a loss falling by orders of magnitude (what puts a panel on
         # a log scale) moved a quarter-decade grid at almost every frame, each a full drawing.
-        (a, _), (_, b) = _snapped(math.log10(lo), 0, LOG_BOTTOM_GRID), _snapped(0, math.log10(hi), 0.25)
-        ax.set_ylim(10**a, 10**b)
+        bottom, top = _snapped_down(math.log10(lo), LOG_BOTTOM_GRID), _snapped_up(math.log10(hi), 0.25)
+        ax.set_ylim(10**bottom, 10**top)
     else:
         span = hi - lo or abs(hi) or 1.0
         bottom, top = _snapped(lo, hi, 10 ** math.floor(math.log10(span)) / Y_CELLS)
@@ -52,7 +52,15 @@ def fit_limits(ax, x, ys, log: bool) -> None:
 
 def _snapped(lo: float, hi: float, step: float) -> tuple[float, float]:
     """[lo, hi] widened to multiples of `step`, with a tenth of a step at least beyond each end."""
-    return math.floor(lo / step - 0.1) * step, math.ceil(hi / step + 0.1) * step
+    return _snapped_down(lo, step), _snapped_up(hi, step)
+
+
+def _snapped_down(lo: float, step: float) -> float:
+    return math.floor(lo / step - 0.1) * step
+
+
+def _snapped_up(hi: float, step: float) -> float:
+    return math.ceil(hi / step + 0.1) * step
 
 
 class Blitter:

@@ -36,21 +36,32 @@ SEND_TIMEOUT = 5.0
 class RayMember:
     """One actor of the pool, as the launcher sees a local child."""
 
-    def __init__(self, role: str, index: int, actor, where: dict, on_this_node: bool, may_die: bool = False):
-        self.role, self.index, self.actor = role, index, actor
-        self.pid, self.node, self.port = where["pid"], where["address"], where["port"]
-        self.node_id, self.tmp_dir = where["node_id"], where["tmp_dir"]
+    def __init__(
+        self, role: str, index: int, actor, where: dict, on_this_node: bool, may_die: bool = False, bundle: int = 0
+    ):
+        self.role, self.index = role, index
+        self.node, self.port, self.node_id = where["address"], where["port"], where["node_id"]
         self.on_this_node = on_this_node  # the launcher's own Ray node
+        self.bundle = bundle  # its bundle's index in the pool's placement group
+        self.may_die = may_die  # an async-ps worker server: the run goes on without it (replace.py)
+        self.expected_exit = False
+        self._take(actor, where)
+
+    def _take(self, actor, where: dict) -> None:
+        """The actor this member is (at its start, or a replacement's on the same node and port)."""
+        self.actor, self.pid, self.tmp_dir = actor, where["pid"], where["tmp_dir"]
         # Its CPU time is readable here when it runs on this process's node and this /proc shows
         # it (the same pid started at the same moment: not a namespace's or a reused pid).
         started = where.get("started")
         self._started = started
-        self._cpu_readable = on_this_node and started is not None and started == process_start_ticks(self.pid)
-        self.may_die = may_die  # an async-ps worker server: the run goes on without it
-        self.expected_exit = False
+        self._cpu_readable = self.on_this_node and started is not None and started == process_start_ticks(self.pid)
         self.dead = False
         self.death = ""
         self.exited = False  # it left its serve loop (shutdown)
+
+    def replaced_by(self, actor, where: dict) -> None:
+        """A new actor serves in this member's place (a lost async-ps worker server): alive again."""
+        self._take(actor, where)
 
     @property
     def task(self) -> str:
@@ -67,7 +78,7 @@ class RayMember:
     def exit_description(self) -> str:
         if not self.dead:
             return "still running"
-        return f"died: its Ray actor ended ({self.death})" if self.death else "died: its Ray actor ended"
+        return f"died: its Ray actor ended, {self.death}" if self.death else "died: its Ray actor ended"
 
     def log_tail(self, lines: int = 15) -> str:
         return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
@@ -108,6 +119,8 @@ class RayLink:
         self.working = working  # the members that run work (a TF server member takes no messages)
         self.messages: queue.Queue = queue.Queue()  # (task, message dict)
         self.report_to = report_to  # the task whose run hears of a lost async-ps worker
+        self.on_server_lost = None  # called with a lost `may_die` member (replace.py ServerReplacer.lost)
+        self.current_run: int | None = None  # the run whose work the members have (None between runs)
         self._watched: dict = {}  # ObjectRefGenerator or ObjectRef -> task
         self._lock = threading.Lock()
         self._closed = False
@@ -172,6 +185,8 @@ class RayLink:
             if message.get("type") == "exited":
                 self.members[task].exited = True
             else:
+                if task == self.report_to and message.get("type") in ("result", "error"):
+                    self.current_run = None  # (its run is over: a server lost now is not replaced)
                 self.messages.put((task, message))
 
     def _forget(self, waitable) -> None:
@@ -186,13 +201,9 @@ class RayLink:
         if member is None or self._closed or member.exited:
             return
         member.dead, member.death = True, death_reason(error)
-        if member.may_die:
-            text = (
-                f"async-ps worker {member.index} ({member.where}) {member.exit_description()}; "
-                "the coordinator runs its unfinished steps on the other workers"
-            )
-            event = {"type": "event", "kind": "message", "data": {"text": text, "worker_lost": member.index}}
-            self.messages.put((self.report_to, event))
+        if member.may_die:  # the run goes on; the coordinator hears of it, a new one may come
+            if self.on_server_lost is not None:
+                self.on_server_lost(member)
         else:
             self.messages.put((task, {"type": "disconnected"}))
 
@@ -200,6 +211,8 @@ class RayLink:
         member = self.members.get(task)
         if member is None or member.dead or not self.ray.is_initialized():
             return False
+        if message.get("type") == "work":
+            self.current_run = message.get("run")
         try:  # waited for: messages to one member arrive in the order sent
             self.ray.get(member.actor.deliver.remote(message), timeout=timeout)
             return True
@@ -237,7 +250,11 @@ def death_reason(error: BaseException) -> str:
     if isinstance(error, SystemExit):
         return "this process's Ray connection was shut down (ray.shutdown())"
     text = str(error)
-    if "node" in text.lower() and "died" in text.lower():
+    # (Ray's own words; "node" and "died" alone are not enough: a killed process's error also
+    # speaks of "node deaths" in its advice)
+    if "its node has died" in text or "node was terminated" in text or "node was preempted" in text:
         return "its node died (Ray's node health check)"
+    if "worker process has died" in text:  # a process killed or crashed
+        return "its process ended unexpectedly (killed or crashed)"
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return (lines[0] if lines else type(error).__name__)[:200]

@@ -8,9 +8,11 @@ launcher is Ray's own primitives (placements/ray/link.py is the other end):
     serve loop and yields what the member says (hello, heartbeats, events, results, errors) in
     order, and ends when the member leaves. Its next item failing with Ray's actor error is how the
     launcher learns of the actor's death (its process killed, its node gone).
-  - `deliver(message)` is an actor call (work, stop, shutdown).
+  - `deliver(message)` is an actor call (work, stop, shutdown; and "placement_news" for the run
+    going on, handed to it through launch/runtime.py: an async-ps worker server lost or replaced).
   - `serve_tf(...)` (TF server members) never returns while the server serves: its object ref
-    failing is that member's death.
+    failing is that member's death. `start_tf(..., port)` starts a replacement's server at the
+    lost one's port, or says why it cannot (placements/ray/replace.py).
 A heartbeat thread stays for what Ray cannot see: a frozen process (SIGSTOP, a hung call) is alive
 to Ray, and only its silence tells; and a cut-off watch for what Ray does not end: a node cut off
 from the head keeps running its actors (`_leave_when_cut_off`). A temp-folder cleaner (a tiny process of its own) removes the
@@ -181,15 +183,39 @@ class Member:
         """Starts this member's TensorFlow server (an async-ps parameter server or worker) and
         returns only when the member is told to leave: until then the caller's object ref stays
         pending, and fails with Ray's actor error if the actor dies."""
+        self.start_tf(cluster, threads)
+        self.leaving.wait()
+
+    def start_tf(self, cluster: dict, threads: int | None, port: int | None = None) -> None:
+        """Starts this member's TensorFlow server at its address in `cluster` (once). `port`: the
+        port it must take again (a replacement of a lost worker server, whose address the
+        coordinator's cluster spec holds); raises, saying so, when something else holds it."""
+        if self.server is not None:
+            return
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         from workbench._src.placements.local.server_main import start_server
 
-        self.server = start_server(cluster, self.role, self.index, threads)
-        self.leaving.wait()
+        if port is not None:
+            _check_port_free(port)
+        try:
+            self.server = start_server(cluster, self.role, self.index, threads)
+        except Exception as error:  # TensorFlow's "Could not start gRPC server" says no more
+            if port is None:
+                raise
+            raise RuntimeError(
+                f"the TensorFlow server of {self.role} {self.index} could not listen on port {port} "
+                f"({type(error).__name__}: {str(error).strip()[:200]})"
+            ) from None
 
     def deliver(self, message: dict) -> None:
         if message.get("type") == "shutdown":
             self.leaving.set()
+        if message.get("type") == "placement_news":  # for the run going on (not the serve loop's)
+            from workbench._src.launch.runtime import tell_placement_news
+
+            if self.link is not None and message["news"].get("run") == self.link.current_run:
+                tell_placement_news(message["news"])  # (a late one, of a run that has ended: dropped)
+            return
         if self.link is not None:
             self.link.receive(message)
 
@@ -229,6 +255,19 @@ class Member:
         """Removes this process's temp folder (its cleaner does it too when the process ends)."""
         self.leaving.set()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def _check_port_free(port: int) -> None:
+    """Raises, naming the port, when this node cannot bind it (another process listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (TIME_WAIT of the old one: free)
+        try:
+            s.bind(("", port))
+        except OSError as error:
+            raise RuntimeError(
+                f"port {port} on this node is taken ({error.strerror}): a new server cannot listen at "
+                "the lost one's address, where the coordinator looks for it"
+            ) from None
 
 
 def _start_cleaner(folder: str) -> subprocess.Popen:

@@ -17,8 +17,8 @@ the run loop, the dashboard, the sidebar and the run store do not know where the
   4. A member whose actor dies (its process killed, its node gone) is known from Ray's error on
      its stream or pending call; a frozen one, alive to Ray, by its heartbeats stopping. The
      launcher's fault handling then applies as for local processes; an async-ps worker server
-     may die (the run goes on, said once). A placement that the cluster's live nodes cannot hold
-     (a node lost) is said at once.
+     may die (the run goes on): a new actor in its bundle serves at its address (replace.py). A
+     placement that the cluster's live nodes cannot hold (a node lost) is said at once.
   5. stop(): "shutdown" to every member, then every actor is killed and the placement group
      removed, each wait bounded. Each member's temp folder goes with its process, however it
      ends (its cleaner, member.py). Actors are owned by this process: Ray ends them with it too
@@ -40,6 +40,7 @@ from workbench._src.placements.local.processes import TMP_PREFIX
 from workbench._src.placements.ray.cluster import PLACEMENTS
 from workbench._src.placements.ray.link import RayLink, RayMember, RayMembers
 from workbench._src.placements.ray.local_start import actors_ready  # (says actors k/N)
+from workbench._src.placements.ray.replace import ServerReplacer
 
 MEMBER_MODULE = "workbench._src.placements.ray.member"  # named, as worker_main is: it runs over there
 # How often the wait for a placement group asks again whether the cluster could ever hold it: a
@@ -72,23 +73,13 @@ class RayPlacement:
         self.placement_group = placement_group(
             [bundle] * len(layout), strategy=PLACEMENTS[self.cluster.placement]
         )
+        self._bundle, self._layout = bundle, layout
+        self._strategy = PlacementGroupSchedulingStrategy
         actors = []
         try:
             self._wait_for_placement(plan, len(layout), bundle)
-            member_class = ray.remote(importlib.import_module(MEMBER_MODULE).Member)
-            for i, (role, index) in enumerate(layout):
-                actors.append(
-                    member_class.options(
-                        num_cpus=bundle.get("CPU", 0),
-                        num_gpus=bundle.get("GPU", 0),
-                        resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                        max_concurrency=4,  # its stream or serve call, deliver and clean_up at once
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=self.placement_group, placement_group_bundle_index=i
-                        ),
-                        runtime_env=self.cluster.runtime_env,
-                    ).remote(role.name, index)
-                )
+            self._member_class = ray.remote(importlib.import_module(MEMBER_MODULE).Member)
+            actors.extend(self._new_actor(i) for i in range(len(layout)))
             try:
                 wheres = actors_ready(ray, [a.where.remote() for a in actors], plan.startup_timeout)
             except ray.exceptions.GetTimeoutError:
@@ -126,11 +117,31 @@ class RayPlacement:
                 where,
                 on_this_node=self.own_node_id is not None and where["node_id"] == self.own_node_id,
                 may_die=role.may_die,
+                bundle=i,
             )
-            for (role, index), actor, where in zip(layout, actors, wheres)
+            for i, ((role, index), actor, where) in enumerate(zip(layout, actors, wheres))
         ]
         self.group = RayMembers(members)
         self.channel = RayLink(ray, self.group, working, report_to=self.tasks[0].name)
+        # A lost async-ps worker server is replaced in its bundle, at its address (replace.py).
+        self.replacer = ServerReplacer(ray, self.channel, self._new_actor, self.servers, plan.startup_timeout)
+        self.channel.on_server_lost = self.replacer.lost
+
+    def _new_actor(self, bundle_index: int):
+        """A member actor of the pool in bundle `bundle_index` of its placement group (at the
+        pool's start, and for a replacement: Ray keeps a bundle reserved when its actor dies)."""
+        role, index = self._layout[bundle_index]
+        bundle = self._bundle
+        return self._member_class.options(
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
+            resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+            max_concurrency=4,  # its stream or serve call, deliver and clean_up at once
+            scheduling_strategy=self._strategy(
+                placement_group=self.placement_group, placement_group_bundle_index=bundle_index
+            ),
+            runtime_env=self.cluster.runtime_env,
+        ).remote(role.name, index)
 
     # ----- for a `cluster=` value, before any pool (launch/placement.py Placement) -------------
     @staticmethod
@@ -199,7 +210,8 @@ class RayPlacement:
     def processes(self, extra: list[dict]) -> list[dict]:
         """Role, index, node address and pid of every process of the pool."""
         own = [{"role": m.role, "index": m.index, "node": m.node, "pid": m.pid} for m in self.group.children]
-        return own + list(extra)
+        mine = {(p["role"], p["index"]) for p in own}  # (a replaced server is a member: its new pid is here)
+        return own + [p for p in extra if (p["role"], p["index"]) not in mine]
 
     def dead_member(self, extra: list[dict]) -> str:
         for member in self.group.children:
@@ -219,6 +231,7 @@ class RayPlacement:
         must not linger). Every wait here is bounded: a member frozen, or on a node cut off, does
         not answer, and Ray's kill needs no answer."""
         ray = self.ray
+        self.replacer.stop()  # (no new server from now on; one being started is ended)
         if not ray.is_initialized():  # Ray was shut down first: it ended the actors it owned,
             self.channel.close()
             self._remove_folders_on_this_node()  # (their cleaners remove the folders too)
