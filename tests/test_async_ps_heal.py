@@ -15,12 +15,14 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
 from helpers import placement_under_test, process_pid, regression_setup, wait_for_steps
 
 import workbench as wb
+from workbench._src.placements.local import netns
 from workbench._src.placements.local.servers import REPLACEMENTS_PER_WORKER
 from workbench._src.placements.proc import process_cpu_seconds
 
@@ -148,6 +150,33 @@ def _messages(run) -> list[str]:
     return [e.data.get("text", "") for e in run.events if e.kind == "message"]
 
 
+def _socket_in_network_of(pid: int) -> socket.socket:
+    """A TCP socket made in the network namespace of process `pid`: a `ray=local` instance runs in
+    a private network of its own (placements/ray/instance_owner.py), so a port is taken from the
+    test only inside it. Made on a short thread that joins that network; the socket stays there."""
+    if os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+        return socket.socket()
+    net_fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    made: dict = {}
+
+    def make() -> None:
+        try:
+            netns.enter_network_of_this_thread(net_fd)
+            made["socket"] = socket.socket()
+        except OSError as error:
+            made["error"] = error
+
+    try:
+        maker = threading.Thread(target=make)
+        maker.start()
+        maker.join()
+    finally:
+        os.close(net_fd)
+    if "error" in made:
+        raise made["error"]
+    return made["socket"]
+
+
 def _take_port(port: int, holder: socket.socket) -> None:
     """Binds and listens on `port` as soon as the killed server's socket is gone (milliseconds)."""
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -171,18 +200,21 @@ def test_on_ray_a_worker_whose_address_is_taken_stays_dropped_says_why_and_its_p
         pytest.skip("a local server's replacement is the coordinator's child (test above)")
     repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
     run = repl.train(setup=regression_setup, steps=10**6, steps_per_execution=5, background=True)
-    with socket.socket() as holder:
-        try:
-            wait_for_steps(run, 50)
-            member = next(m for m in repl.launcher.pool.group.children if (m.role, m.index) == ("worker", 1))
-            os.kill(member.pid, signal.SIGKILL)
-            _take_port(member.port, holder)  # (before the new actor asks for it: it starts in ~1 s)
-            _wait_until(lambda: any("could not take" in t for t in _messages(run)), run)
-            rows = run.steps
-            _wait_until(lambda: run.steps >= rows + 50, run)  # the other worker goes on
-        finally:
-            run.stop()
-            run.wait(timeout=60)
+    holder = None
+    try:
+        wait_for_steps(run, 50)
+        member = next(m for m in repl.launcher.pool.group.children if (m.role, m.index) == ("worker", 1))
+        holder = _socket_in_network_of(member.pid)  # (its network: read before the process is gone)
+        os.kill(member.pid, signal.SIGKILL)
+        _take_port(member.port, holder)  # (before the new actor asks for it: it starts in ~1 s)
+        _wait_until(lambda: any("could not take" in t for t in _messages(run)), run)
+        rows = run.steps
+        _wait_until(lambda: run.steps >= rows + 50, run)  # the other worker goes on
+    finally:
+        run.stop()
+        run.wait(timeout=60)
+        if holder is not None:
+            holder.close()
     assert run.status == "stopped" and run.restarts == [], (run.stop_reason, run.restarts)
     (line,) = [t for t in _messages(run) if "could not take" in t]
     assert f"port {member.port}" in line and "taken" in line and "1 worker(s)" in line, line

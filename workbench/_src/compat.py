@@ -251,3 +251,15 @@ def ray_start_internals(ray) -> tuple:
     start waits for its node or where a single-machine instance listens. Remove when Ray does."""
     private = ray._private
     return private.services, private.parameter.RayParams, private.ray_constants
+
+
+def ray_connect_state_accessor(ray) -> None:
+    """Ray: connects now the GCS state accessor that Ray otherwise connects on first use
+    (`ray.nodes()`, `available_resources_per_node()`), so that its I/O thread starts in the
+    calling thread's network namespace: a local instance's start connects it inside the
+    instance's private network (placements/ray/instance_owner.py, decision 38). Ray has no public
+    call for it; where Ray renamed it, nothing is done and Ray connects it on first use."""
+    state = getattr(getattr(ray, "_private", None), "state", None)
+    connect = getattr(getattr(state, "state", None), "_connect_and_get_accessor", None)
+    if connect is not None:
+        connect()

@@ -186,6 +186,12 @@ def _make_namespace(timeout: float) -> PrivateNetwork:
         anchor.stdout.close()
 
 
+def warn_exposed(label: str, reason: str, fix: str = "") -> None:
+    """The warning (once per process, shared with local pools) that a group's TensorFlow servers
+    run in this machine's network: `reason` why, `fix` what to do (by default: allow namespaces)."""
+    _warn_exposed(label, reason, fix)
+
+
 def _warn_exposed(label: str, reason: str, fix: str = "") -> None:
     import warnings
 
@@ -224,8 +230,9 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
     return found
 
 
-def interfaces(pid: int) -> list[str]:
-    """Names of the network interfaces in the namespace of process `pid` ("lo" only when private)."""
+def interfaces(pid) -> list[str]:
+    """Names of the network interfaces in the namespace of process `pid` ("lo" only when private);
+    `pid` may also be "PID/task/TID", a thread's namespace."""
     with open(f"/proc/{pid}/net/dev") as f:
         return [line.split(":")[0].strip() for line in f.read().splitlines()[2:]]
 
@@ -233,11 +240,78 @@ def interfaces(pid: int) -> list[str]:
 def exposed_sockets(pid: int) -> list[tuple[str, int]]:
     """The listening sockets of `pid`'s network namespace that another machine could reach: none
     in a loopback-only namespace; elsewhere those bound to a wildcard or non-loopback address."""
-    import ipaddress
-
     if interfaces(pid) == ["lo"]:
         return []
-    return [(a, p) for a, p in listening_sockets(pid) if not ipaddress.ip_address(a).is_loopback]
+    return [(a, p) for a, p in listening_sockets(pid) if not _loopback(a)]
+
+
+def _loopback(address: str) -> bool:
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address (::ffff:127.0.0.1, which Python's
+    is_loopback does not see before 3.13)."""
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def own_listeners(pid: int) -> list[tuple[str, str, int, bool]]:
+    """(network namespace, address, port, closed) of each listening TCP socket that process `pid`
+    holds itself (not its namespace's other processes'); `closed`: in a loopback-only namespace.
+    Every namespace one of its threads is in is read: a thread can be in another network than its
+    process's main thread (a kernel's Ray threads are: placements/ray/instance_owner.py), and
+    /proc/<pid>/net (psutil's source too) shows only the main thread's. A socket made in a
+    namespace none of its threads is in any more is not seen."""
+    found, sockets, networks = [], set(), {}
+    for path, kind in ((f"/proc/{pid}/fd", "fd"), (f"/proc/{pid}/task", "task")):
+        try:
+            names = os.listdir(path)
+        except OSError:  # (the process ended)
+            return []
+        for name in names:
+            try:
+                if kind == "fd":
+                    sockets.add(os.readlink(f"{path}/{name}"))  # "socket:[inode]" for a socket
+                else:
+                    networks.setdefault(os.readlink(f"{path}/{name}/ns/net"), f"{pid}/task/{name}")
+            except OSError:  # (closed, or the thread ended, meanwhile)
+                pass
+    for network, thread in networks.items():
+        try:
+            closed = interfaces(thread) == ["lo"]
+            rows = _listening_rows(thread)
+        except OSError:
+            continue
+        found += [(network, a, port, closed) for a, port, inode in rows if f"socket:[{inode}]" in sockets]
+    return found
+
+
+def non_loopback_listeners(pid: int) -> list[tuple[str, str, int]]:
+    """(network namespace, address, port) of each listening TCP socket that process `pid` holds
+    itself and another host could reach: bound to a wildcard or non-loopback address, in a
+    namespace with more than a loopback device (own_listeners)."""
+    return [(n, a, port) for n, a, port, closed in own_listeners(pid) if not closed and not _loopback(a)]
+
+
+def _listening_rows(proc_entry: str) -> list[tuple[str, int, str]]:
+    """(address, port, socket inode) of the listening TCP sockets in /proc/<proc_entry>/net."""
+    rows = []
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/{proc_entry}/net/{name}") as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    address, port = fields[1].split(":")
+                    rows.append((_address(address), int(port, 16), fields[9]))
+    return rows
+
+
+def enter_network_of_this_thread(net_fd: int) -> None:
+    """Moves the calling thread, and only it, into the network namespace of `net_fd` (allowed in
+    a multi-threaded process, unlike a user namespace's setns): threads and processes it starts
+    from then on, and sockets it makes, are in that network. Needs CAP_SYS_ADMIN over the
+    namespace (root, or its own user namespace: not reachable from a process with threads)."""
+    _call(_libc(), "setns", net_fd, _CLONE_NEWNET)
 
 
 def _address(hex_address: str) -> str:

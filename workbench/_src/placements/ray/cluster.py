@@ -89,6 +89,7 @@ class RayCluster:
         self.placement = placement
         self.runtime_env = runtime_env
         self.local_root: str | None = None  # a local instance's own temp root, once it is started
+        self.local_owner = None  # the thread a local instance is started on and tied to (instance_owner.py)
 
     @classmethod
     def from_option(cls, text: str) -> RayCluster:
@@ -167,7 +168,7 @@ class RayCluster:
             if self.address is None:
                 from workbench._src.placements.ray.local_start import start_local
 
-                start_local(ray, init, self.local_root)
+                self.local_owner = start_local(ray, init, self.local_root)
             else:
                 say(f"connecting to the Ray cluster at {self.address}")
                 ray.init(**init)
@@ -199,6 +200,9 @@ class RayCluster:
             end_local_instance(ray, self.local_root)
         else:
             ray.shutdown()
+        if self.local_owner is not None:  # (after the instance: its processes die with the thread)
+            self.local_owner.release()
+            self.local_owner = None
 
     def nodes(self) -> list[dict]:
         """The cluster's live nodes: address, CPUs and GPUs, and which is the head (the panel)."""

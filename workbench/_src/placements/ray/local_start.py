@@ -14,6 +14,9 @@ behind when it fails.
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is off (ray/_private/services.py): with both, every listener
   of the instance is on loopback. Only this process's own instance: a cluster named by address
   is the operator's (README, "On a Ray cluster").
+- TensorFlow's servers in the actors bind every interface whatever their address: the start runs
+  on a thread of its own inside a private loopback-only network namespace, where every process of
+  the instance is then born; the thread lives as long as the instance (instance_owner.py).
 - Ray writes its token file ~/.ray/auth_token readable by everyone (0644); it is made here first
   when missing, and kept readable by its owner only.
 """
@@ -28,10 +31,11 @@ import signal
 import socket
 import time
 
-from workbench._src.compat import ray_start_internals
+from workbench._src.compat import ray_connect_state_accessor, ray_start_internals
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.launch.start_progress import Phases, say
 from workbench._src.placements.proc import pid_alive, pids_naming, process_cpu_seconds
+from workbench._src.placements.ray.instance_owner import InstanceOwner
 
 # How long the processes of a starting instance may all get no CPU time before its start is given
 # up: on a loaded machine they get CPU in slices and the node registers in the end; stopped or hung
@@ -60,10 +64,24 @@ _START_ENV = {
 }
 
 
-def start_local(ray, init: dict, root: str) -> None:
-    """ray.init(**init) for a local instance under the private root `root`, on loopback only, its
-    node waited for while it makes progress, tried again once after a try that stalled."""
+def start_local(ray, init: dict, root: str) -> InstanceOwner:
+    """ray.init(**init) for a local instance under the private root `root`, on loopback only and
+    in a private network, its node waited for while it makes progress, tried again once after a
+    try that stalled. Runs on the instance's own thread (instance_owner.py), returned: release it
+    once the instance is shut down."""
     owner_only_token()
+
+    def start():
+        _start_tried_twice(ray, init, root)
+
+    owner = InstanceOwner(start, end=lambda: end_failed_start(root))
+    owner.wait()
+    owner_only_token()  # (Ray made it, if it had to)
+    say("the Ray node is up")
+    return owner
+
+
+def _start_tried_twice(ray, init: dict, root: str) -> None:
     failed = ""
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         again = f" again (try {attempt}: the last one failed, {failed})" if failed else ""
@@ -71,6 +89,9 @@ def start_local(ray, init: dict, root: str) -> None:
             with Phases() as phases, _start_settings(ray), _node_waited_for(ray, root, phases):
                 phases.now(f"starting the Ray head (GCS and raylet) on this machine{again}")
                 ray.init(**init, _node_ip_address=LOOPBACK)
+                # Ray connects its state accessor (ray.nodes(), free resources per node) on first
+                # use, from the calling thread: here, so that its I/O thread is inside too.
+                ray_connect_state_accessor(ray)
         except Exception as error:
             end_failed_start(root)
             if not _timed_out_at_start(error):
@@ -83,8 +104,6 @@ def start_local(ray, init: dict, root: str) -> None:
                     "(`ray start --head`) and use RayCluster(address='auto')."
                 ) from None
             continue
-        owner_only_token()  # (Ray made it, if it had to)
-        say("the Ray node is up")
         return
 
 
