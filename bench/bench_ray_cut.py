@@ -77,6 +77,9 @@ def main() -> None:
             flush=True,
         )
         print(f"    {named[0] if named else 'the loss was never named'}", flush=True)
+        for text in result["said"]:  # (what the stop said: a chunk left behind explains a slow one)
+            if text.startswith("stopping"):
+                print(f"    {text}", flush=True)
     stops.sort()
     print(f"\n{args.tries - hangs}/{args.tries} tries stopped within {STOP_BOUND_S} s, {hangs} hung or failed")
     if stops:
