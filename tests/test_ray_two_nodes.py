@@ -7,14 +7,13 @@ node. Every process is ended by the pids of the two namespaces (never `ray stop`
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 from helpers import wait_for
-from two_hosts import TwoHosts, ray_on_two_hosts, start_driver
+from two_hosts import TwoHosts, ray_on_two_hosts, read_until, start_driver
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -83,35 +82,18 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
     hosts, nodes = two_nodes
     driver, log = start_driver(hosts, nodes, tmp_path, DRIVER)
     try:
-        lines = {}
-
-        def read_until(tag: str, timeout: float) -> dict:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                line = driver.stdout.readline()
-                if not line:
-                    break
-                kind, _, data = line.partition(" ")
-                if kind in ("RESULT", "TRAINING", "CUT", "NEXT"):
-                    lines[kind] = json.loads(data)
-                    if kind == tag:
-                        return lines[kind]
-            raise AssertionError(
-                f"the driver never said {tag}; its stderr:\n{(tmp_path / 'driver.err').read_text()[-4000:]}"
-            )
-
-        result = read_until("RESULT", 400)
+        result = read_until(driver, tmp_path, "RESULT", 400)
         assert sorted(result["nodes"]) == sorted(hosts.addresses), result
         assert result["status"] == "finished" and result["rows"] == 30, result
         # spread: one worker on each node
         assert sorted(p["node"] for p in result["processes"]) == sorted(hosts.addresses), result["processes"]
         assert result["max_difference"] < 1e-5, result
 
-        training = read_until("TRAINING", 300)
+        training = read_until(driver, tmp_path, "TRAINING", 300)
         hosts.cut()
         driver.stdin.write("cut\n")
         driver.stdin.flush()
-        cut = read_until("CUT", 120)
+        cut = read_until(driver, tmp_path, "CUT", 120)
         assert cut["status"] == "failed", cut
         assert cut["error"] and "multi-worker run failed" in cut["error"], cut
         assert "worker" in cut["error"] and ("node 10." in cut["error"]), cut["error"]
@@ -125,7 +107,7 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
         # After the fault, a stop returns at once, and the next run says plainly that the cluster's
         # live nodes cannot hold it (once Ray's health check has declared the node dead), rather
         # than waiting startup_timeout and blaming other jobs.
-        after = read_until("NEXT", 200)
+        after = read_until(driver, tmp_path, "NEXT", 200)
         assert after["stop_seconds"] < 10, after
         assert after["error"] and "cannot place" in after["error"], after
         assert "live nodes could not hold them" in after["error"] and "other jobs" not in after["error"], (
