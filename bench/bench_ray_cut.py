@@ -2,8 +2,9 @@
 tries, 0 hangs)? Each try makes two hosts (network namespaces joined by a veth pair,
 tests/two_hosts.py), a Ray node on each, and runs an async-ps pool (2 workers, 1 ps) with worker 1
 alone on the far node; at 50 rows the far host's link is taken down. Printed per try: seconds
-from the cut until the run names the lost worker, rows trained by the other worker meanwhile,
-seconds `run.stop()` took, and whether anything of the run was left on either host. Needs root.
+from the cut until the run names the lost worker, then until 10 more rows (the other worker's),
+the rows trained after the naming, seconds `run.stop()` took, and whether anything of the run
+was left on either host. Needs root.
 
     PYTHONPATH=. python bench/bench_ray_cut.py --tries 20
 """
@@ -71,7 +72,8 @@ def main() -> None:
         named = [t for t in result["said"] if t.startswith("worker 1 (")]
         print(
             f"try {attempt}: {'HUNG' if hung else 'ok'} far node held {result['far']}; loss named after "
-            f"{result['named_s']:.1f} s; {result['rows_after']} rows after it; stop {result['stop_s']:.2f} s; "
+            f"{result['named_s']:.1f} s; 10 rows {result['resumed_s']:.1f} s after that, {result['rows_after']} "
+            f"in all; stop {result['stop_s']:.2f} s; "
             f"status {result['status']}; left {result['left'] or 'nothing'}; try {time.monotonic() - began:.0f} s, "
             f"load {os.getloadavg()[0]:.1f}",
             flush=True,
@@ -81,7 +83,9 @@ def main() -> None:
             if text.startswith("stopping"):
                 print(f"    {text}", flush=True)
     stops.sort()
-    print(f"\n{args.tries - hangs}/{args.tries} tries stopped within {STOP_BOUND_S} s, {hangs} hung or failed")
+    print(
+        f"\n{args.tries - hangs}/{args.tries} tries stopped within {STOP_BOUND_S} s, {hangs} hung or failed"
+    )
     if stops:
         print(f"stop seconds: min {stops[0]:.2f}, median {stops[len(stops) // 2]:.2f}, max {stops[-1]:.2f}")
 

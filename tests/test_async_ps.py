@@ -174,8 +174,14 @@ def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
     assert run.executed_steps >= 1500  # at-least-once: lost chunks run again
     lost = [e for e in run.events if e.kind == "message" and "worker 1" in e.data.get("text", "")]
     assert lost and "killed by SIGKILL" in lost[0].data["text"]
-    # Dropped to 1, and up again when its replacement answered (tests/test_async_ps_heal.py).
-    assert history["workers"].iloc[0] == 2 and 1 in set(history["workers"])
+    # Dropped to 1, and up again when its replacement answered (tests/test_async_ps_heal.py); a
+    # replacement that answers before the next row is recorded (a fork, ~0.1 s) leaves no row at 1.
+    workers = set(history["workers"])
+    replaced = [r for r in run.restarts if r["member"] == "worker 1" and r.get("replaced")]
+    assert history["workers"].iloc[0] == 2 and (1 in workers or (workers == {2} and replaced)), (
+        workers,
+        run.restarts,
+    )
     assert np.isfinite(history["loss"]).all()
 
 
@@ -183,7 +189,9 @@ def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
 def test_the_start_counts_every_process_the_pool_runs():
     # One process is started by the launcher (the coordinator), which starts the other three:
     # the run says 4, as `workbench run` does, not 1.
-    run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, pool=False).train(setup=regression_setup, steps=5)
+    run = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, pool=False).train(
+        setup=regression_setup, steps=5
+    )
     texts = [e.data.get("text", "") for e in run.events if e.kind == "message"]
     assert any(t.startswith("starting 4 async-ps processes") for t in texts), texts
     assert len(run.processes) == 4

@@ -30,6 +30,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 # Processes of each pool: multi-worker's 2 workers; async-ps's coordinator, 2 workers and 1 ps.
 POOL_SIZE = {"multi-worker": 2, "async-ps": 4}
+LISTENERS_BEFORE: list = []  # this process's non-loopback listeners before the instance started
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,9 @@ def ray_local():
     assert not ray.is_initialized(), "a Ray connection was left by another test module"
     if os.geteuid() != 0:
         pytest.skip("not root: a kernel joins a private network only as root (the fallback is tested below)")
+    # This process's own listeners before the instance: an earlier test in the same process (a
+    # TensorFlow server of its own) may have left some; they are not the instance's.
+    LISTENERS_BEFORE[:] = netns.non_loopback_listeners(os.getpid())
     cluster = wb.RayCluster.from_option("ray=local")
     cluster.resources_per_worker = {"CPU": 0.5}
     cluster.connect()
@@ -100,6 +104,7 @@ def test_no_process_of_a_local_ray_run_listens_beyond_loopback(ray_local, backen
         assert set(pool) <= instance
         everyone = sorted(instance | {os.getpid()})
         exposed = {pid: netns.non_loopback_listeners(pid) for pid in everyone}
+        exposed[os.getpid()] = [socket for socket in exposed[os.getpid()] if socket not in LISTENERS_BEFORE]
         assert not any(exposed.values()), f"listeners another host can reach: {exposed}"
         for pid in instance:  # (an agent's helper may have ended since it was listed)
             if psutil.pid_exists(pid):
@@ -142,7 +147,7 @@ def test_ray_calls_made_after_the_start_from_this_network_work(ray_local):
             return os.readlink("/proc/self/ns/net")
 
         def count(self, n):
-            for i in range(n):  # (a streaming generator: Ray drives it with send(), not `yield from`)
+            for i in range(n):  # noqa: UP028 - a streaming generator: Ray drives it with send(), not `yield from`
                 yield i
 
         def blob(self):

@@ -230,7 +230,8 @@ def read_until(driver, tmp_path: Path, tag: str, timeout: float) -> dict:
 # `ray_on_two_hosts(..., cpus=(3, 1))`, "pack" and a CPU per process put the coordinator, the ps and
 # worker 0 on the head and worker 1 alone on the far node. It says TRAINING (the processes) at 50
 # rows, waits for a line on stdin (the test has cut the link), waits for the loss to be named and
-# for 100 more rows, stops the run, and says RESULT (how long the naming and the stop took).
+# for 100 more rows, stops the run, and says RESULT (how long the naming, the next 10 rows after
+# it and the stop took).
 ASYNC_PS_NODE_CUT = r"""
 import json, sys, time
 import workbench as wb
@@ -249,13 +250,16 @@ while run.running and not any("worker 1 (" in t for t in said()) and time.monoto
     time.sleep(0.05)
 named = time.monotonic() - cut
 rows = run.steps
+while run.running and run.steps < rows + 10 and time.monotonic() - cut < 240:
+    time.sleep(0.01)
+resumed = time.monotonic() - cut - named  # (the other worker's steps, once the loss is known)
 while run.running and run.steps < rows + 100 and time.monotonic() - cut < 240:
     time.sleep(0.05)
 stopping = time.monotonic()
 run.stop()
 run.wait(timeout=60)
 stopped = time.monotonic() - stopping
-out = {"status": run.status, "named_s": named, "stop_s": stopped, "rows_after": run.steps - rows,
+out = {"status": run.status, "named_s": named, "resumed_s": resumed, "stop_s": stopped, "rows_after": run.steps - rows,
        "workers": run.history["workers"].tolist(), "restarts": run.restarts, "said": said()}
 repl.shutdown()
 print("RESULT " + json.dumps(out, default=str), flush=True)

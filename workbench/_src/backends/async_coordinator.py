@@ -3,6 +3,7 @@ that schedules chunks of it on the workers (see backends/async_ps.py for the rep
 
 from __future__ import annotations
 
+import collections
 import gc
 import re
 import threading
@@ -20,7 +21,10 @@ from workbench._src.launch.runtime import is_launched
 
 # Seconds the chunks in flight when a worker is declared lost may still come back: those on the
 # other workers are done by then (a chunk is ~CHUNK_SECONDS), those on the lost one never are.
-LOST_CHUNK_GRACE = 1.0
+LOST_CHUNK_GRACE = 1.0  # seconds a chunk in flight at a worker's loss may still come back
+# While a worker is lost, a chunk waited for this many times as long as chunks usually are (and at
+# least LOST_CHUNK_GRACE) is presumed on it: a model whose chunks take seconds is not re-run forever.
+LOST_CHUNK_USUAL_WAITS = 3
 STOP_GRACE = 3.0  # seconds the chunks in flight may still come back once a stop is asked for
 FETCH_FLOOR = 0.25  # seconds any chunk is waited for past a grace: a finished one comes back
 
@@ -116,6 +120,7 @@ class CoordinatorExecutor:
         self.placed: PlacedWorkers | None = None  # servers a placement watches for us (a Ray pool)
         self._stop_seen: float | None = None  # when this run's stop request was first seen
         self._left_behind = False
+        self._waits: collections.deque = collections.deque(maxlen=20)  # recent chunks' fetch waits (s)
         self.breakdown: AsyncBreakdown | None = None
 
     def start(self, run) -> None:
@@ -169,6 +174,7 @@ class CoordinatorExecutor:
         self._check_servers()
         if "error" in box:
             return self._lost_or_raise(box["error"])
+        self._waits.append(time.monotonic() - waiting_since)
         import numpy as np  # (here: `import workbench` loads no numpy)
 
         rows, done = box["value"][:2]
@@ -188,9 +194,10 @@ class CoordinatorExecutor:
 
     def _abandon(self, submitted: float, waiting_since: float) -> bool:
         """True when the chunk being waited for will not come back in time: it is on a worker
-        declared lost (it is still waiting LOST_CHUNK_GRACE s after the declaration, while the
-        other workers' chunks take milliseconds), or a stop was asked for and it has not come
-        back within STOP_GRACE s of it (Ctrl-C ends the run in seconds even while a worker is cut).
+        declared lost (sent before the loss, it is still waiting LOST_CHUNK_GRACE s after it; sent
+        after, it has waited LOST_CHUNK_USUAL_WAITS times as long as chunks usually do), or a stop
+        was asked for and it has not come back within STOP_GRACE s of it (Ctrl-C ends the run in
+        seconds even while a worker is cut).
 
         Each grace is one for all the chunks in flight at the event, not one each: a cut-off
         worker holds every chunk it ran whose result was not yet fetched from it, and a grace
@@ -211,14 +218,17 @@ class CoordinatorExecutor:
                         "worker that does not answer) is left behind; the history ends before it",
                     )
                 return True
-        if self.watch is None:
-            return False  # (its changes were said by _check_servers, just before)
-        lost_at = self.watch.latest_loss()
+        # A worker is lost when the watch declares it (worker_timeout without an answer) or when
+        # the placement saw it die (Ray's word for an actor or its node: seconds, not a minute).
+        losses = [source.latest_loss() for source in (self.watch, self.placed) if source is not None]
+        lost_at = max((t for t in losses if t is not None), default=None)
         if lost_at is None:
             return False
         if submitted < lost_at:  # (it may be one of those on the lost worker)
             return now - lost_at >= LOST_CHUNK_GRACE and now - waiting_since >= FETCH_FLOOR
-        return now - waiting_since >= LOST_CHUNK_GRACE
+        waits = sorted(self._waits)
+        usual = waits[len(waits) // 2] if waits else 0.0
+        return now - waiting_since >= max(LOST_CHUNK_GRACE, LOST_CHUNK_USUAL_WAITS * usual)
 
     def _say_worker_changes(self) -> None:
         watch, run = self.watch, self.run

@@ -14,6 +14,8 @@ for a local replacement.
 
 from __future__ import annotations
 
+import time
+
 from workbench._src.launch.runtime import placement_news
 
 
@@ -21,11 +23,15 @@ class PlacedWorkers:
     """The worker servers lost in this run and not back yet, from the placement's news."""
 
     def __init__(self):
-        self.lost: dict[int, dict] = {}  # worker index -> its "lost" news and the step it was heard at
+        self.lost: dict[int, dict] = {}  # worker index -> its "lost" news, the step and time it was heard
         placement_news()  # (what is left is an ended run's: not this one's)
 
     def gone(self) -> set[str]:
         return {f"worker {index}" for index in self.lost}
+
+    def latest_loss(self) -> float | None:
+        """When the newest loss of a worker still gone was heard (None: none is)."""
+        return max((loss["heard"] for loss in self.lost.values()), default=None)
 
     def coming(self) -> bool:
         """Whether a lost worker's replacement is still on its way."""
@@ -39,7 +45,7 @@ class PlacedWorkers:
         for news in placement_news():
             index, kind = news["index"], news["kind"]
             if kind == "lost":
-                self.lost[index] = {**news, "step": run.steps}
+                self.lost[index] = {**news, "step": run.steps, "heard": time.monotonic()}
                 then = (
                     f"a new worker {index} starts in its Ray bundle, at {news['address']}"
                     if news["replacing"]
