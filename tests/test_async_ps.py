@@ -224,7 +224,7 @@ def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
     """The coordinator re-runs a chunk whose fetch failed with a worker (on servers it does not
     watch: a Ray pool, a real cluster), and not one that failed with a parameter server. These are
     the errors TensorFlow raised: the first seen on Ray when a worker actor was killed mid-run."""
-    from workbench._src.backends.async_coordinator import _worker_lost_with
+    from workbench._src.backends.async_coordinator import _stale_handle_on, _worker_lost_with
 
     with_worker = (
         "2 root error(s) found.\n  (0) UNAVAILABLE: {{function_node __wrapped__Identity_device_/job:chief/"
@@ -237,6 +237,18 @@ def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
     assert not _worker_lost_with(with_worker.replace("/job:worker/", "/job:ps/"))
     assert not _worker_lost_with(with_worker + " and /job:ps/replica:0/task:0/device:CPU:0")
     assert not _worker_lost_with("UNAVAILABLE: Socket closed")  # no task named: not ours to guess
+    # A result fetched from the new process serving a replaced worker's address (seen in a suite):
+    # that worker answers, the chunk runs again; the same words from a parameter server do not.
+    stale = (
+        "2 root error(s) found.\n  (0) INVALID_ARGUMENT: {{function_node __wrapped__Identity_device_/job:chief/"
+        "replica:0/task:0/device:CPU:0}} Unable to find the relevant tensor remote_handle: Op ID: 119, Output "
+        "num: 0. One possible cause is that the tensor was accessed after deallocation in a distributed worker "
+        "setup.\nAdditional GRPC error information from remote target /job:worker/replica:0/task:1/device:CPU:0 "
+        "while calling /tensorflow.eager.EagerService/RunComponentFunction:"
+    )
+    assert _stale_handle_on(stale) == "worker 1"
+    assert not _stale_handle_on(stale.replace("/job:worker/", "/job:ps/"))
+    assert not _stale_handle_on(with_worker)  # (unavailable: the lost-worker path's, not this one's)
 
 
 def test_the_coordinators_executor_scope_sets_and_restores_the_threads_executor_as_tensorflows_does():

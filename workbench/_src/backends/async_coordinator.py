@@ -259,6 +259,11 @@ class CoordinatorExecutor:
         self._check_servers()  # a dead server explains a fetch failure best
         t = tf()
         if not isinstance(error, (t.errors.UnavailableError, t.errors.CancelledError, t.errors.AbortedError)):
+            # A chunk's result is a handle on the worker process that ran it: fetched from the new
+            # process serving a replaced worker's address, it is unknown there (seen once in a
+            # full suite). That worker answers: the chunk just runs again.
+            if _stale_handle_on(str(error)):
+                return None
             raise _translated_input_error(error) from None
         if self.repl.servers is not None:
             return None  # our own servers: the PS and a worker are alive (checked above)
@@ -378,6 +383,15 @@ class CoordinatorExecutor:
 
 
 _TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+
+
+_STALE_HANDLE = "Unable to find the relevant tensor remote_handle"  # (TensorFlow's eager service)
+
+
+def _stale_handle_on(text: str) -> str | None:
+    """ "worker N" when a fetch asked that worker for a result it does not hold: the process at
+    its address is a replacement, not the one that ran the chunk."""
+    return _worker_lost_with(text) if _STALE_HANDLE in text else None
 
 
 def _worker_lost_with(text: str) -> str | None:
