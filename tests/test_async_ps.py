@@ -226,28 +226,30 @@ def test_a_chunk_lost_with_a_worker_is_told_from_a_lost_parameter_server():
     the errors TensorFlow raised: the first seen on Ray when a worker actor was killed mid-run."""
     from workbench._src.backends.async_coordinator import _stale_handle_on, _worker_lost_with
 
-    with_worker = (
-        "2 root error(s) found.\n  (0) UNAVAILABLE: {{function_node __wrapped__Identity_device_/job:chief/"
-        "replica:0/task:0/device:CPU:0}} failed to connect to all addresses; last error: UNKNOWN: "
-        "ipv4:192.0.2.2:58431: Failed to connect to remote host: Connection refused\nAdditional GRPC "
-        "error information from remote target /job:worker/replica:0/task:1/device:CPU:0 while calling "
-        "/tensorflow.eager.EagerService/RunComponentFunction:"
+    def fetch_error(status: str, what: str) -> str:  # (TensorFlow's words for a failed fetch)
+        return (
+            f"2 root error(s) found.\n  (0) {status}: {{{{function_node __wrapped__Identity_device_/job:chief/"
+            f"replica:0/task:0/device:CPU:0}}}} {what}\nAdditional GRPC error information from remote target "
+            "/job:worker/replica:0/task:1/device:CPU:0 while calling /tensorflow.eager.EagerService/RunComponentFunction:"
+        )
+
+    with_worker = fetch_error(
+        "UNAVAILABLE",
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:192.0.2.2:58431: Failed to connect "
+        "to remote host: Connection refused",
     )
-    assert _worker_lost_with(with_worker) == "worker 1"
-    assert not _worker_lost_with(with_worker.replace("/job:worker/", "/job:ps/"))
+    # A result fetched from the new process serving a replaced worker's address (seen in a suite):
+    # that worker answers, the chunk runs again.
+    stale = fetch_error(
+        "INVALID_ARGUMENT",
+        "Unable to find the relevant tensor remote_handle: Op ID: 119, Output num: 0. One possible cause is "
+        "that the tensor was accessed after deallocation in a distributed worker setup.",
+    )
+    for told, text in ((_worker_lost_with, with_worker), (_stale_handle_on, stale)):
+        assert told(text) == "worker 1"
+        assert not told(text.replace("/job:worker/", "/job:ps/"))  # a parameter server's: an error
     assert not _worker_lost_with(with_worker + " and /job:ps/replica:0/task:0/device:CPU:0")
     assert not _worker_lost_with("UNAVAILABLE: Socket closed")  # no task named: not ours to guess
-    # A result fetched from the new process serving a replaced worker's address (seen in a suite):
-    # that worker answers, the chunk runs again; the same words from a parameter server do not.
-    stale = (
-        "2 root error(s) found.\n  (0) INVALID_ARGUMENT: {{function_node __wrapped__Identity_device_/job:chief/"
-        "replica:0/task:0/device:CPU:0}} Unable to find the relevant tensor remote_handle: Op ID: 119, Output "
-        "num: 0. One possible cause is that the tensor was accessed after deallocation in a distributed worker "
-        "setup.\nAdditional GRPC error information from remote target /job:worker/replica:0/task:1/device:CPU:0 "
-        "while calling /tensorflow.eager.EagerService/RunComponentFunction:"
-    )
-    assert _stale_handle_on(stale) == "worker 1"
-    assert not _stale_handle_on(stale.replace("/job:worker/", "/job:ps/"))
     assert not _stale_handle_on(with_worker)  # (unavailable: the lost-worker path's, not this one's)
 
 
