@@ -21,7 +21,7 @@ from workbench._src.launch.runtime import is_launched
 
 # Seconds the chunks in flight when a worker is declared lost may still come back: those on the
 # other workers are done by then (a chunk is ~CHUNK_SECONDS), those on the lost one never are.
-LOST_CHUNK_GRACE = 1.0  # seconds a chunk in flight at a worker's loss may still come back
+LOST_CHUNK_GRACE = 1.0
 # While a worker is lost, a chunk waited for this many times as long as chunks usually are (and at
 # least LOST_CHUNK_GRACE) is presumed on it: a model whose chunks take seconds is not re-run forever.
 LOST_CHUNK_USUAL_WAITS = 3

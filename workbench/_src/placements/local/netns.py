@@ -117,7 +117,7 @@ def open_network(label: str = "local cluster", timeout: float = 20.0) -> Private
         reason = f"{PRIVATE_NETWORK_ENV}={OFF} is set"
         # A launched child (WORKBENCH_TASK set) follows its launcher, which has warned already.
         if not os.environ.get("WORKBENCH_TASK"):
-            _warn_exposed(label, reason, fix=f"unset {PRIVATE_NETWORK_ENV} once you are done")
+            warn_exposed(label, reason, fix=f"unset {PRIVATE_NETWORK_ENV} once you are done")
         return PrivateNetwork(False, reason=reason)
     import time
 
@@ -130,7 +130,7 @@ def open_network(label: str = "local cluster", timeout: float = 20.0) -> Private
         except OSError as error:  # the helper could not even start (no fds, no processes left)
             raise _Refused(f"cannot start the namespace helper: {error}") from None
     except _Refused as refusal:
-        _warn_exposed(label, str(refusal))
+        warn_exposed(label, str(refusal))
         return PrivateNetwork(False, reason=str(refusal))
     network.setup_seconds = time.monotonic() - started
     return network
@@ -187,12 +187,9 @@ def _make_namespace(timeout: float) -> PrivateNetwork:
 
 
 def warn_exposed(label: str, reason: str, fix: str = "") -> None:
-    """The warning (once per process, shared with local pools) that a group's TensorFlow servers
-    run in this machine's network: `reason` why, `fix` what to do (by default: allow namespaces)."""
-    _warn_exposed(label, reason, fix)
-
-
-def _warn_exposed(label: str, reason: str, fix: str = "") -> None:
+    """The warning (once per process, shared by local pools and a local Ray instance) that a
+    group's TensorFlow servers run in this machine's network: `reason` why, `fix` what to do (by
+    default: allow namespaces)."""
     import warnings
 
     global _warned
@@ -213,21 +210,7 @@ def _warn_exposed(label: str, reason: str, fix: str = "") -> None:
 # ----- inspection: what a namespace listens on ------------------------------------------------------
 def listening_sockets(pid: int) -> list[tuple[str, int]]:
     """(address, port) of every listening TCP socket in the network namespace of process `pid`."""
-    found = []
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{name}") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            local, state = fields[1], fields[3]
-            if state != "0A":  # TCP_LISTEN
-                continue
-            address, port = local.split(":")
-            found.append((_address(address), int(port, 16)))
-    return found
+    return [(address, port) for address, port, _ in _listening_rows(str(pid))]
 
 
 def interfaces(pid) -> list[str]:
@@ -294,15 +277,20 @@ def non_loopback_listeners(pid: int) -> list[tuple[str, str, int]]:
 
 
 def _listening_rows(proc_entry: str) -> list[tuple[str, int, str]]:
-    """(address, port, socket inode) of the listening TCP sockets in /proc/<proc_entry>/net."""
+    """(address, port, socket inode) of the listening TCP sockets in /proc/<proc_entry>/net (a
+    missing table, as tcp6 without IPv6 or of an ended process, has none)."""
     rows = []
     for name in ("tcp", "tcp6"):
-        with open(f"/proc/{proc_entry}/net/{name}") as f:
-            for row in f.read().splitlines()[1:]:
-                fields = row.split()
-                if fields[3] == "0A":  # TCP_LISTEN
-                    address, port = fields[1].split(":")
-                    rows.append((_address(address), int(port, 16), fields[9]))
+        try:
+            with open(f"/proc/{proc_entry}/net/{name}") as f:
+                table = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in table:
+            fields = row.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                address, port = fields[1].split(":")
+                rows.append((_address(address), int(port, 16), fields[9]))
     return rows
 
 
