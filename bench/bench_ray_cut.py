@@ -37,11 +37,7 @@ def one_try(folder: Path) -> dict:
             driver.stdin.flush()
             result = read_until(driver, folder, "RESULT", 600)
             exit_code = driver.wait(timeout=120)
-            actors = [p["pid"] for p in training["processes"]]
-            deadline = time.monotonic() + 120
-            while any(pid in hosts.pids() for pid in actors) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            left = [pid for pid in actors if pid in hosts.pids()]
+            left = hosts.still_running([p["pid"] for p in training["processes"]])
         finally:
             if driver.poll() is None:
                 driver.kill()

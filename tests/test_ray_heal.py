@@ -13,8 +13,6 @@ process is ended by the pids of the two namespaces (never `ray stop`).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from two_hosts import ASYNC_PS_NODE_CUT, ray_on_two_hosts, read_until, start_driver
 
@@ -89,11 +87,7 @@ def test_a_node_lost_mid_run_heals_on_one_worker_and_finishes_as_one_device(two_
 
         # Nothing of the run is left on either node: the first pool's actors (the far one once its
         # raylet gives up on the head it cannot reach) and the healed pool's (shut down).
-        actors = [p["pid"] for p in at_120["processes"] + result["processes"]]
-        deadline = time.monotonic() + 120
-        while any(pid in hosts.pids() for pid in actors) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = [pid for pid in actors if pid in hosts.pids()]
+        left = hosts.still_running([p["pid"] for p in at_120["processes"] + result["processes"]])
         assert not left, f"actors of the run still alive: {left}"
     finally:
         if driver.poll() is None:
@@ -120,11 +114,8 @@ def test_an_async_ps_worker_whose_node_is_lost_stays_dropped_and_the_run_goes_on
             print("node lost:", {k: result[k] for k in ("named_s", "resumed_s", "stop_s", "rows_after")})
             assert driver.wait(timeout=120) == 0, (tmp_path / "driver.err").read_text()[-3000:]
             # Nothing of the run is left on either node (the far one's once its raylet gives up).
-            actors = [p["pid"] for p in training["processes"]]
-            deadline = time.monotonic() + 120
-            while any(pid in hosts.pids() for pid in actors) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            assert not [pid for pid in actors if pid in hosts.pids()], "actors of the run still alive"
+            left = hosts.still_running([p["pid"] for p in training["processes"]])
+            assert not left, f"actors of the run still alive: {left}"
         finally:
             if driver.poll() is None:
                 driver.kill()

@@ -8,12 +8,11 @@ node. Every process is ended by the pids of the two namespaces (never `ray stop`
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 from helpers import wait_for
-from two_hosts import TwoHosts, ray_on_two_hosts, read_until, start_driver
+from two_hosts import ray_on_two_hosts, read_until, start_driver
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 pytestmark = pytest.mark.slow
@@ -74,10 +73,6 @@ def two_nodes(tmp_path):
         yield hosts, nodes
 
 
-def _pid_in(hosts: TwoHosts, pid: int) -> bool:
-    return pid in hosts.pids()
-
-
 def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_link(two_nodes, tmp_path):
     hosts, nodes = two_nodes
     driver, log = start_driver(hosts, nodes, tmp_path, DRIVER)
@@ -118,11 +113,7 @@ def test_two_node_ray_cluster_spreads_trains_as_one_device_and_survives_a_cut_li
 
         # Nothing of the run is left on either node: its actors end (on the far node once its
         # raylet gives up on the head it cannot reach).
-        actors = [p["pid"] for p in training["processes"]]
-        deadline = time.monotonic() + 120
-        while any(_pid_in(hosts, pid) for pid in actors) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = [pid for pid in actors if _pid_in(hosts, pid)]
+        left = hosts.still_running([p["pid"] for p in training["processes"]])
         assert not left, f"actors of the run still alive: {left}"
         # ... and their temp folders (AutoGraph's files) go with them, the cut node's included.
         wait_for(

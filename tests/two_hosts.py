@@ -82,6 +82,14 @@ class TwoHosts:
             found += [int(p) for p in out if p.isdigit()]
         return found
 
+    def still_running(self, pids: list[int], timeout: float = 120) -> list[int]:
+        """Those of `pids` still in either namespace after waiting up to `timeout` s for them all to
+        end (a cut-off node's actors end once its raylet gives up on the head)."""
+        deadline = time.monotonic() + timeout
+        while (left := [pid for pid in pids if pid in self.pids()]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return left
+
     def kill_all(self, host: int | None = None) -> None:
         """SIGKILLs every process in both namespaces (or in one), by pid; waits up to 10 s."""
         for pid in self.pids(host):
