@@ -25,8 +25,10 @@ import nbformat
 import pandas as pd
 import pytest
 from helpers import TF_NOISE
+from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+from traitlets import Float
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -81,6 +83,14 @@ def blocks_of(wanted: str) -> list[dict]:
 
 def block_id(block: dict) -> str:
     return f"README.md:{block['line']}"
+
+
+class PatientKernelManager(AsyncKernelManager):
+    """Lets the kernel end on its own when the notebook is done, as a user's does. jupyter_client
+    kills it after 5 s; a kernel that used TensorFlow exits in a second or two, but a loaded
+    machine stretches that, and a killed kernel leaves its AutoGraph files in TMPDIR."""
+
+    shutdown_wait_time = Float(120.0)
 
 
 @pytest.fixture
@@ -155,8 +165,9 @@ def test_notebook_blocks_run_in_one_kernel(user_folder):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbformat.v4.new_code_cell(b["source"]) for b in cells]
     client = NotebookClient(
-        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(user_folder)}}
-    )
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(user_folder)}},
+        kernel_manager_class=PatientKernelManager,
+    )  # fmt: skip
     with client.setup_kernel():
         for index, (cell, block) in enumerate(zip(nb.cells, cells)):
             failure = None

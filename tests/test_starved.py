@@ -114,3 +114,37 @@ def test_the_watch_counts_a_starved_member_alive_and_a_stopped_one_silent(tmp_pa
         assert idle["worker:1"] >= 3  # stopped: silent all along
     finally:
         group.stop()
+
+
+def test_a_start_past_startup_timeout_goes_on_while_starved_and_fails_once_stopped(tmp_path):
+    """StartDeadline, the rule behind "did not start within startup_timeout", on real members: one
+    starting but starved (it keeps moving: the start goes on past the timeout, up to the limit),
+    one stopped (no progress for a window: the start fails then, not at the limit)."""
+    from workbench._src.launch.start_progress import STARVED_START_LIMIT, StartDeadline
+
+    (tmp_path / "spin.py").write_text(SPIN)
+    group = ProcessGroup("start", private_network=False)
+    try:
+        starving = group.start("worker", 0, "spin", {"PYTHONPATH": str(tmp_path)})
+        stopped = group.start("worker", 1, "spin", {"PYTHONPATH": str(tmp_path)})
+        time.sleep(0.5)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        timeout, window = 0.5, 0.5
+        with starved(starving.pid):
+            moving, halted = StartDeadline(timeout, window), StartDeadline(timeout, window)
+            failed_at = {}
+            while time.monotonic() - moving.started < STARVED_START_LIMIT * timeout + 1:
+                now = time.monotonic()
+                for name, deadline, member in (("moving", moving, starving), ("halted", halted, stopped)):
+                    if name not in failed_at and deadline.passed(now, [member]):
+                        failed_at[name] = now - deadline.started
+                time.sleep(0.05)
+        # The stopped one fails a window after the timeout (one window to take the first mark,
+        # one to judge it); the starved one only at the limit.
+        assert timeout + window <= failed_at["halted"] < timeout + 3 * window + 0.5, failed_at
+        assert failed_at["moving"] >= STARVED_START_LIMIT * timeout, failed_at
+        assert "no progress for the last 0 s" in halted.describe(moving.started + timeout + 2 * window)
+        assert "STARVED_START_LIMIT" in moving.describe(moving.started + STARVED_START_LIMIT * timeout + 1)
+        assert StartDeadline(120, 10).describe(time.monotonic()) == "startup_timeout=120 s"  # never judged
+    finally:
+        group.stop()

@@ -28,6 +28,14 @@ from workbench._src.launch import runtime
 from workbench._src.launch.placement import Role
 
 
+# TensorFlow's coordination-service heartbeat timeout in a launched run, in heartbeat_timeouts.
+# The launcher names a frozen or lost worker after heartbeat_timeout (stretched while the machine
+# starves it); TensorFlow's timeout cannot tell starved from frozen, so it must come well after.
+# Lower it only if a lost peer could escape the launcher's watch (none known: local members are
+# watched by pid, Ray members by Ray and by their heartbeats).
+TF_HEARTBEAT_BACKSTOP = 6
+
+
 @dataclasses.dataclass
 class MultiWorkerPlan(LaunchPlan):
     """A multi-worker run: `num_workers` worker processes, worker 0 the chief (where they run is
@@ -230,6 +238,15 @@ class MultiWorkerReplicator(ProcessBackend):
             from workbench._src.backends.join_watchdog import wait_for_peers
 
             wait_for_peers(self._resolver, self.plan.startup_timeout)
+        else:
+            # A launched worker's freezes and losses are the launcher's to judge (it tells a
+            # starved process from a frozen one, launch/watch.py); TensorFlow's own heartbeat is
+            # left as the backstop, long enough that a loaded machine does not trip it.
+            from workbench._src.compat import set_coordination_heartbeat_timeout
+
+            set_coordination_heartbeat_timeout(
+                self._resolver.cluster_spec(), TF_HEARTBEAT_BACKSTOP * self.plan.heartbeat_timeout
+            )
         return t.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=self._resolver, communication_options=options
         )

@@ -121,3 +121,83 @@ def startup_phases(reports, started_wall: float, warm: bool, ahead: float = 0.0)
 def phase_text(startup: dict) -> str:
     """run.startup as one line: "spawn 1.2 s, imports 3.4 s, ..."."""
     return ", ".join(f"{k} {v:.1f} s" for k, v in startup.items())
+
+
+# startup_timeout bounds a start that has stopped moving, not a slow one: past it, a start goes
+# on while the members not yet ready keep starting (on a busy machine each gets a few percent of
+# a core: at load 25-65 two workers importing TensorFlow were 0 of 2 ready after 120 s), and
+# fails once they show no progress for one `window`, or at STARVED_START_LIMIT startup_timeouts.
+# START_CPU_SHARE: the share of one core that members not yet ready must use together, over the
+# window, to count as starting. An import or a graph build uses a whole core where it can get
+# one; a member blocked on a peer that never comes polls far below it. Lower it if a starved
+# start is failed; raise it if a hung one is spared.
+START_CPU_SHARE = 0.05
+# START_WAIT_SHARE: the share of the window their threads together waited, runnable, for a CPU
+# that counts as starved, hence moving; so does a thread runnable when the window ends (a wait is
+# added only once the thread gets a CPU back). See watch.STARVED_WAIT_SHARE: a blocked process
+# does not wait for a CPU.
+START_WAIT_SHARE = 0.25
+# STARVED_START_LIMIT: the longest a start may take, in startup_timeouts, however it moves (a
+# member stuck in a loop at start uses a core for good); it bounds how long a start that will
+# never end takes to be said.
+STARVED_START_LIMIT = 4
+
+
+class StartDeadline:
+    """When a start that has not finished has failed: `passed(now, members)` after startup_timeout
+    once the members not yet ready stop showing progress (CPU used or waited for, read from /proc
+    where they can be: a Ray actor on another node cannot, and keeps the bare timeout)."""
+
+    def __init__(self, startup_timeout: float, window: float):
+        self.timeout, self.window = startup_timeout, window
+        self.started = time.monotonic()
+        self.mark: tuple[float, float, float] | None = None  # (when, CPU s, CPU wait s) of the members
+        self.moving = True  # what the last full window showed
+
+    def passed(self, now: float, members) -> bool:
+        elapsed = now - self.started
+        if elapsed <= self.timeout:
+            return False
+        if elapsed > STARVED_START_LIMIT * self.timeout:
+            return True
+        cpu, wait, runnable = _progress_counters(members)
+        if cpu is None:
+            return True
+        if self.mark is None:  # the timeout reached: from here on, judge by windows
+            self.mark = (now, cpu, wait)
+            return False
+        since, cpu_then, wait_then = self.mark
+        if now - since >= self.window:
+            span = now - since
+            self.moving = (
+                runnable or cpu - cpu_then >= START_CPU_SHARE * span or wait - wait_then >= START_WAIT_SHARE * span
+            )
+            self.mark = (now, cpu, wait)
+        return not self.moving
+
+    def describe(self, now: float) -> str:
+        """How long the start was given, for the error ("within ...")."""
+        if self.mark is None:
+            return f"startup_timeout={self.timeout:.0f} s"
+        why = (
+            f"STARVED_START_LIMIT, {STARVED_START_LIMIT} x startup_timeout"
+            if now - self.started > STARVED_START_LIMIT * self.timeout
+            else f"no progress for the last {self.window:.0f} s"
+        )
+        return f"{now - self.started:.0f} s (startup_timeout={self.timeout:.0f} s, then as long as they kept starting; {why})"
+
+
+def _progress_counters(members) -> tuple[float | None, float, bool]:
+    """The members' CPU seconds and CPU wait summed, and whether a thread of one is runnable now
+    (CPU None: one cannot be read from here)."""
+    cpu_total, wait_total, runnable = 0.0, 0.0, False
+    for member in members:
+        cpu = member.cpu_seconds() if member is not None else None
+        if cpu is None:
+            return None, 0.0, False
+        wait = member.cpu_wait()
+        cpu_total += cpu
+        if wait is not None:
+            wait_total += wait[0]
+            runnable |= wait[1]
+    return cpu_total, wait_total, runnable

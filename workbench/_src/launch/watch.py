@@ -15,7 +15,7 @@ from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.tracebacks import full_tracebacks
 from workbench._src.launch.heal import replaced_in_run
-from workbench._src.launch.start_progress import phase_text, startup_phases
+from workbench._src.launch.start_progress import StartDeadline, phase_text, startup_phases
 
 # The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
 # that keeps using CPU is busy: its heartbeat thread cannot run while another thread holds
@@ -81,6 +81,7 @@ class Watch:
         self.stop_sent = False
         self.started = time.monotonic()
         self.started_wall = time.time()  # the processes report wall-clock milestones
+        self.start_deadline = StartDeadline(launcher.startup_timeout, launcher.heartbeat_timeout)
         self.phases: dict[str, dict] = {}
         self.warm = not pool.fresh
         # A pool started in the background when its backend was chosen: its start's phases
@@ -245,13 +246,12 @@ class Watch:
                     task,
                     cause=f"busy and silent for {silent:.0f} s",
                 )
-        if len(self.ready) < len(self.tasks) and now - self.started > self.launcher.startup_timeout:
-            missing = [t for t in self.tasks if t not in self.ready]
-            names = ", ".join(_label(t) for t in missing)
+        missing = [t for t in self.tasks if t not in self.ready]
+        if missing and self.start_deadline.passed(now, [self._child(t) for t in missing]):
             self._raise(
-                f"{names} did not start within startup_timeout={self.launcher.startup_timeout:.0f} s "
-                f"({len(self.ready)} of {len(self.tasks)} ready). Fix: a busy machine needs a longer "
-                "startup_timeout; otherwise see the log below.",
+                f"{', '.join(_label(t) for t in missing)} did not start within "
+                f"{self.start_deadline.describe(now)} ({len(self.ready)} of {len(self.tasks)} ready). "
+                "Fix: a busy machine needs a longer startup_timeout; otherwise see the log below.",
                 missing[0],
             )
         if self.timeout is not None and now - self.started > self.timeout:
@@ -407,7 +407,7 @@ class Watch:
 
     def _child(self, task: str):
         role, index = task.split(":")
-        return next(c for c in self.group.children if c.role == role and c.index == int(index))
+        return next((c for c in self.group.children if c.role == role and c.index == int(index)), None)
 
     def _raise(self, text: str, task: str | None, cause: str | None = None) -> None:
         """Fails the launch; `cause`: how a member was lost (None: no member was lost)."""
