@@ -8,6 +8,7 @@ processes the run started (run.processes), never at the whole machine.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -285,3 +286,22 @@ print("value", float(x) * 2)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["value", "42.0"]
+
+
+@pytest.mark.slow
+def test_a_frozen_coordinator_is_named_though_its_servers_keep_waking():
+    """A stopped (SIGSTOP) coordinator is named frozen after its heartbeat timeout: its servers'
+    threads go on waking (and, on a loaded machine, waiting for a CPU), but only the start of
+    the member counts their CPU as its own (launch/start_progress.py), never its silence."""
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, heartbeat_timeout=5)
+    run = repl.train(setup=regression_setup, steps=1_000_000, steps_per_execution=5, background=True)
+    wait_for_steps(run, 50)
+    victim = process_pid(run, "coordinator", 0)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with pytest.raises(wb.WorkerError, match=r"coordinator 0 \(.*stopped responding.*neither ran nor waited"):
+            run.wait(timeout=300)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)  # (only if the test failed before the pool was stopped)
+        repl.shutdown()

@@ -122,7 +122,8 @@ class MultiWorkerReplicator(ProcessBackend):
         a TF_CONFIG dict {"cluster": ..., "task": ...}, or a tf.distribute cluster resolver.
         Every process of that cluster runs the same program (e.g. `workbench run FILE.py`).
       startup_timeout: seconds for every worker to start and connect; then a clear error
-        (TensorFlow alone waits forever for a peer that never comes).
+        (TensorFlow alone waits forever for a peer that never comes). Local workers still
+        starting on a busy machine (using or waiting for a CPU) are given longer, up to 4x.
       heartbeat_timeout: a local worker silent this long is declared frozen and the run stopped.
       threads_per_worker: TensorFlow intra/inter-op threads in each local worker (None: TF's).
       idle_timeout: seconds a warm pool of local workers stays up unused (None: until shutdown()).

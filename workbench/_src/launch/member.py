@@ -29,6 +29,9 @@ def serve(link, entered: float) -> int:
         runtime.mark_launched()
         repl = runtime.process_replicator()  # no TensorFlow yet: the face reads its options only
         repl.prepare_launched_process()  # async-ps: its servers start now, importing in parallel
+        children = repl.started_processes()
+        if children:  # told now: their start counts as this member's (launch/start_progress.py)
+            link.send({"type": "processes", "children": children})
         phases = {"entered": entered}
         _configure_tensorflow()
         phases["imported"] = time.time()
@@ -40,9 +43,6 @@ def serve(link, entered: float) -> int:
         # servers): frozen, the collection between two runs (release_run_state) scans only what
         # the runs made, ~0.02 s instead of 0.23 s for a full one over TensorFlow's objects.
         gc.freeze()
-        children = repl.started_processes()
-        if children:
-            link.send({"type": "processes", "children": children})
         import cloudpickle
 
         message = link.next_message()

@@ -95,6 +95,9 @@ class Member(Protocol):
     role: str
     index: int
     expected_exit: bool  # its work is delivered (or it was told to go): its exit is no fault
+    # The processes it started itself (async-ps's servers on one host), told by its "processes"
+    # message: while it starts, its progress is theirs too (cpu_seconds(with_own=True)).
+    own_pids: list
 
     @property
     def pid(self) -> int: ...
@@ -117,15 +120,16 @@ class Member(Protocol):
         """The end of its log ("" where the log is not readable from here)."""
         ...
 
-    def cpu_seconds(self) -> float | None:
-        """The CPU time it has used; None where it cannot be read (another node): then only
-        its heartbeats tell a busy member from a frozen one."""
+    def cpu_seconds(self, with_own: bool = False) -> float | None:
+        """The CPU time it has used (with_own: and its own processes); None where it cannot be
+        read (another node): then only its heartbeats tell a busy member from a frozen one."""
         ...
 
-    def cpu_wait(self) -> tuple[float, bool] | None:
+    def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
         """How it waits for a CPU (a busy machine starving it): (seconds its threads waited,
-        runnable; whether one is runnable now). None where it cannot be read: then a starved
-        member is told from a frozen one by its CPU time alone."""
+        runnable; whether one is runnable now); with_own: its own processes' added. None where
+        it cannot be read: then a starved member is told from a frozen one by its CPU time
+        alone."""
         ...
 
 

@@ -148,9 +148,9 @@ class StartDeadline:
     once the members not yet ready stop showing progress (CPU used or waited for, read from /proc
     where they can be: a Ray actor on another node cannot, and keeps the bare timeout)."""
 
-    def __init__(self, startup_timeout: float, window: float):
+    def __init__(self, startup_timeout: float, window: float, started: float | None = None):
         self.timeout, self.window = startup_timeout, window
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.mark: tuple[float, float, float] | None = None  # (when, CPU s, CPU wait s) of the members
         self.moving = True  # what the last full window showed
 
@@ -192,10 +192,11 @@ def _progress_counters(members) -> tuple[float | None, float, bool]:
     (CPU None: one cannot be read from here)."""
     cpu_total, wait_total, runnable = 0.0, 0.0, False
     for member in members:
-        cpu = member.cpu_seconds() if member is not None else None
+        # (A member's own processes count: an async-ps coordinator waits on its servers' start.)
+        cpu = member.cpu_seconds(with_own=True) if member is not None else None
         if cpu is None:
             return None, 0.0, False
-        wait = member.cpu_wait()
+        wait = member.cpu_wait(with_own=True)
         cpu_total += cpu
         if wait is not None:
             wait_total += wait[0]

@@ -139,6 +139,7 @@ class Watch:
                     text = f"{backend} processes ready in {seconds:.1f} s ({phases})"
                 self.run.publish("message", text=text)
         elif kind == "processes":  # what a coordinator started itself (async-ps servers)
+            self._child(task).own_pids = [c["pid"] for c in message["children"]]  # (its start counts theirs)
             self.pool.extra.extend(message["children"])  # (a warm pool's runs list them too)
             self.launcher.last_processes.extend(message["children"])
         elif kind == "event":

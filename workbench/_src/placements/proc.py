@@ -48,6 +48,25 @@ def process_cpu_wait(pid: int) -> tuple[float, bool] | None:
     return (total / 1e9, runnable) if read else None
 
 
+def processes_cpu_seconds(pids: list[int]) -> float | None:
+    """process_cpu_seconds of the first pid plus those of the others still running (None: the
+    first is gone)."""
+    first = process_cpu_seconds(pids[0])
+    if first is None:
+        return None
+    return first + sum(filter(None, map(process_cpu_seconds, pids[1:])))
+
+
+def processes_cpu_wait(pids: list[int]) -> tuple[float, bool] | None:
+    """process_cpu_wait of the first pid with the others' added: the waits summed, runnable if
+    any thread of them is (None: the first is gone)."""
+    first = process_cpu_wait(pids[0])
+    if first is None:
+        return None
+    waits = [first, *filter(None, map(process_cpu_wait, pids[1:]))]
+    return sum(w[0] for w in waits), any(w[1] for w in waits)
+
+
 def process_start_ticks(pid: int) -> int | None:
     """When `pid` started, in clock ticks since boot (None: gone). With the pid it names one
     process for good: a pid reused later has another start time."""

@@ -42,7 +42,7 @@ from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
 from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
-from workbench._src.placements.proc import owned_folder, process_cpu_seconds, process_cpu_wait
+from workbench._src.placements.proc import owned_folder, processes_cpu_seconds, processes_cpu_wait
 
 LOOPBACK = "127.0.0.1"
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
@@ -90,6 +90,7 @@ class Child:
     # thread takes one, so a pid remembered for seconds may be another process's thread by then
     # (a SIGKILL by pid once took down a pytest worker that way). None: no pidfd here.
     pidfd: int | None = None
+    own_pids: list = field(default_factory=list)  # what it started itself (launch/placement.Member)
 
     def __post_init__(self):
         with contextlib.suppress(OSError, AttributeError):  # (AttributeError: Python < 3.9)
@@ -134,13 +135,15 @@ class Child:
         """It ended by a signal (the likely culprit when several members ended)."""
         return self.popen.returncode is not None and self.popen.returncode < 0
 
-    def cpu_seconds(self) -> float | None:
-        """The CPU time the process has used (all its threads), or None when it is gone."""
-        return process_cpu_seconds(self.pid)
+    def cpu_seconds(self, with_own: bool = False) -> float | None:
+        """The CPU time the process has used (all its threads; with_own: and its own processes'),
+        or None when it is gone."""
+        return processes_cpu_seconds([self.pid, *(self.own_pids if with_own else ())])
 
-    def cpu_wait(self) -> tuple[float, bool] | None:
-        """How its threads wait for a CPU (proc.process_cpu_wait), or None when it is gone."""
-        return process_cpu_wait(self.pid)
+    def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
+        """How its threads (with_own: and its own processes') wait for a CPU
+        (proc.process_cpu_wait), or None when it is gone."""
+        return processes_cpu_wait([self.pid, *(self.own_pids if with_own else ())])
 
     def exit_description(self) -> str:
         code = self.popen.returncode

@@ -20,12 +20,17 @@ import time
 from dataclasses import dataclass
 
 from workbench._src.core.errors import WorkerError
+from workbench._src.launch.start_progress import StartDeadline
 from workbench._src.placements.local.processes import ProcessGroup, free_ports, port_open
 
 SERVER_MODULE = "workbench._src.placements.local.server_main"
 # A worker that keeps dying (a crash in an op it runs, the machine's memory) is not replaced more
 # than this many times in one run: past it the run goes on without it, and says so.
 REPLACEMENTS_PER_WORKER = 3
+# How long servers past startup_timeout may show no progress before their start fails
+# (launch/start_progress.StartDeadline): a server importing TensorFlow on a starved machine
+# gets a CPU slice within seconds.
+STARTING_WINDOW = 10.0
 
 
 @dataclass
@@ -89,6 +94,8 @@ class LocalServers:
             (c.role, c.index): int(self.cluster[c.role][c.index].rsplit(":", 1)[1])
             for c in self.group.children
         }
+        # (Past startup_timeout, servers still starting on a busy machine are given longer.)
+        deadline = StartDeadline(startup_timeout, STARTING_WINDOW, started)
         while pending:
             dead = self.group.unexpected_exits()
             if dead:
@@ -97,11 +104,13 @@ class LocalServers:
                     f"async-ps {c.label} {c.exit_description()} while starting.\n{c.log_tail()}",
                     task=f"{c.role} {c.index}",
                 )
-            if time.monotonic() - started > startup_timeout:
+            now = time.monotonic()
+            starting = [c for c in self.group.children if (c.role, c.index) in pending]
+            if deadline.passed(now, starting):
                 names = ", ".join(f"{r} {i}" for r, i in pending)
                 raise WorkerError(
-                    f"async-ps servers {names} did not start within startup_timeout="
-                    f"{startup_timeout:.0f} s. Fix: a busy machine needs a longer startup_timeout.",
+                    f"async-ps servers {names} did not start within {deadline.describe(now)}. "
+                    "Fix: a busy machine needs a longer startup_timeout.",
                     task=names,
                 )
             pending = {k: p for k, p in pending.items() if not port_open(p)}

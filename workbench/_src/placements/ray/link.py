@@ -45,6 +45,7 @@ class RayMember:
         self.bundle = bundle  # its bundle's index in the pool's placement group
         self.may_die = may_die  # an async-ps worker server: the run goes on without it (replace.py)
         self.expected_exit = False
+        self.own_pids: list = []  # (none: on Ray every server is a member of its own)
         self._take(actor, where)
 
     def _take(self, actor, where: dict) -> None:
@@ -89,12 +90,12 @@ class RayMember:
             return False
         return not same_process_running(self.pid, self._started)
 
-    def cpu_seconds(self) -> float | None:
+    def cpu_seconds(self, with_own: bool = False) -> float | None:
         """Its CPU time, where it can be read (the launcher tells a busy member from a frozen
         one by it, as for a local child); None on another node: only its heartbeats tell."""
         return process_cpu_seconds(self.pid) if self._cpu_readable else None
 
-    def cpu_wait(self) -> tuple[float, bool] | None:
+    def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
         """How its threads wait for a CPU, where it can be read (this node)."""
         return process_cpu_wait(self.pid) if self._cpu_readable else None
 
