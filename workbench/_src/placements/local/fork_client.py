@@ -28,12 +28,17 @@ from workbench._src.placements.local.fork_server import (
     FORKED_MODULES,
     import_time_environment,
 )
-from workbench._src.placements.proc import pid_alive, socket_folder
+from workbench._src.launch.start_progress import StartDeadline
+from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_cpu_wait, socket_folder
 
 # How long this process waits for its fork server's own import (TensorFlow's) before it starts
-# its processes without one. It bounds the first start's extra wait on a busy machine; raise it
-# only if the fork server's log shows a slower import that did finish.
+# its processes without one, once the import stops making progress (launch/start_progress.py:
+# while the fork server uses or waits for a CPU it is importing, up to 4x this; at load 30-70 an
+# import took longer than 120 s). Raise it only if the fork server's log shows a slower import
+# that did finish.
 START_TIMEOUT = 120.0
+# How long the import may show no progress past START_TIMEOUT before it is given up.
+START_WINDOW = 10.0
 STATUS_LOST = 255  # returncode when the fork server died before it could report a child's status
 
 
@@ -291,9 +296,11 @@ def _start_server(environment: str) -> _Server:
 def _wait_until_serving(server: _Server) -> bool:
     """Waits for our fork server's socket (its import done); False, and no fork server for this
     process from now on, if it exited or took longer than START_TIMEOUT."""
-    popen, deadline = server.popen, server.started + START_TIMEOUT
+    popen = server.popen
+    deadline = StartDeadline(START_TIMEOUT, START_WINDOW, server.started)
+    importing = _Process(popen.pid)
     while not os.path.exists(server.path):
-        if popen.poll() is not None or time.monotonic() > deadline:
+        if popen.poll() is not None or deadline.passed(time.monotonic(), [importing]):
             why = _tail(os.path.join(server.folder, "fork-server.log")) or f"exit code {popen.poll()}"
             server.end()
             with contextlib.suppress(ProcessLookupError):
@@ -307,6 +314,19 @@ def _wait_until_serving(server: _Server) -> bool:
         time.sleep(0.02)
     server.serving = True
     return True
+
+
+class _Process:
+    """A process as StartDeadline reads a starting member: its CPU time and its wait for a CPU."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def cpu_seconds(self, with_own: bool = False) -> float | None:
+        return process_cpu_seconds(self.pid)
+
+    def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
+        return process_cpu_wait(self.pid)
 
 
 def _end_all_at_exit() -> None:
