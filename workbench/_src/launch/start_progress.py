@@ -177,11 +177,12 @@ class StartDeadline:
 
     def describe(self, now: float) -> str:
         """How long the start was given, for the error ("within ...")."""
-        if self.mark is None:
+        over_limit = now - self.started > STARVED_START_LIMIT * self.timeout
+        if self.mark is None and not over_limit:
             return f"startup_timeout={self.timeout:.0f} s"
         why = (
             f"STARVED_START_LIMIT, {STARVED_START_LIMIT} x startup_timeout"
-            if now - self.started > STARVED_START_LIMIT * self.timeout
+            if over_limit
             else f"no progress for the last {self.window:.0f} s"
         )
         return f"{now - self.started:.0f} s (startup_timeout={self.timeout:.0f} s, then as long as they kept starting; {why})"
