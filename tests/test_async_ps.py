@@ -299,7 +299,9 @@ def test_a_frozen_coordinator_is_named_though_its_servers_keep_waking():
     victim = process_pid(run, "coordinator", 0)
     os.kill(victim, signal.SIGSTOP)
     try:
-        with pytest.raises(wb.WorkerError, match=r"coordinator 0 \(.*stopped responding.*neither ran nor waited"):
+        with pytest.raises(
+            wb.WorkerError, match=r"coordinator 0 \(.*stopped responding.*neither ran nor waited"
+        ):
             run.wait(timeout=300)
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -143,9 +143,9 @@ def set_coordination_heartbeat_timeout(cluster_spec, seconds: float) -> None:
     2-core machine at load 25-65 a worker whose heartbeat thread got no CPU for 10 s was declared
     failed and every collective of the run aborted, with every process alive. Checked on 2.21.0.
     Remove when the strategy takes the timeout (its constructor has no such argument)."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
 
     jobs = cluster_spec.as_dict()
     context.context().configure_coordination_service(

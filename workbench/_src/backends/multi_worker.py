@@ -27,7 +27,6 @@ from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
 from workbench._src.launch.placement import Role
 
-
 # TensorFlow's coordination-service heartbeat timeout in a launched run, in heartbeat_timeouts.
 # The launcher names a frozen or lost worker after heartbeat_timeout (stretched while the machine
 # starves it); TensorFlow's timeout cannot tell starved from frozen, so it must come well after.

@@ -141,6 +141,10 @@ START_WAIT_SHARE = 0.25
 # member stuck in a loop at start uses a core for good); it bounds how long a start that will
 # never end takes to be said.
 STARVED_START_LIMIT = 4
+# START_WINDOW: how long a start past its timeout may show no progress before it fails, where the
+# caller has no heartbeat timeout to use instead (async-ps servers, the fork server's import): a
+# process importing TensorFlow on a starved machine gets a CPU slice within seconds.
+START_WINDOW = 10.0
 
 
 class StartDeadline:
@@ -148,7 +152,7 @@ class StartDeadline:
     once the members not yet ready stop showing progress (CPU used or waited for, read from /proc
     where they can be: a Ray actor on another node cannot, and keeps the bare timeout)."""
 
-    def __init__(self, startup_timeout: float, window: float, started: float | None = None):
+    def __init__(self, startup_timeout: float, window: float = START_WINDOW, started: float | None = None):
         self.timeout, self.window = startup_timeout, window
         self.started = time.monotonic() if started is None else started
         self.mark: tuple[float, float, float] | None = None  # (when, CPU s, CPU wait s) of the members
@@ -160,19 +164,20 @@ class StartDeadline:
             return False
         if elapsed > STARVED_START_LIMIT * self.timeout:
             return True
+        if self.mark is not None and now - self.mark[0] < self.window:
+            return not self.moving  # (/proc is read once a window: every thread of each member)
         cpu, wait, runnable = _progress_counters(members)
         if cpu is None:
             return True
-        if self.mark is None:  # the timeout reached: from here on, judge by windows
-            self.mark = (now, cpu, wait)
-            return False
-        since, cpu_then, wait_then = self.mark
-        if now - since >= self.window:
+        if self.mark is not None:
+            since, cpu_then, wait_then = self.mark
             span = now - since
             self.moving = (
-                runnable or cpu - cpu_then >= START_CPU_SHARE * span or wait - wait_then >= START_WAIT_SHARE * span
+                runnable
+                or cpu - cpu_then >= START_CPU_SHARE * span
+                or wait - wait_then >= START_WAIT_SHARE * span
             )
-            self.mark = (now, cpu, wait)
+        self.mark = (now, cpu, wait)  # (the first, at the timeout: from here on, judged by windows)
         return not self.moving
 
     def describe(self, now: float) -> str:

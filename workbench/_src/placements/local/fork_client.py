@@ -22,13 +22,13 @@ import weakref
 
 from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
+from workbench._src.launch.start_progress import StartDeadline
 from workbench._src.placements.local.fork_server import (
     _MAX_MESSAGE,
     FORK_SERVER_ENV,
     FORKED_MODULES,
     import_time_environment,
 )
-from workbench._src.launch.start_progress import StartDeadline
 from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_cpu_wait, socket_folder
 
 # How long this process waits for its fork server's own import (TensorFlow's) before it starts
@@ -37,8 +37,6 @@ from workbench._src.placements.proc import pid_alive, process_cpu_seconds, proce
 # import took longer than 120 s). Raise it only if the fork server's log shows a slower import
 # that did finish.
 START_TIMEOUT = 120.0
-# How long the import may show no progress past START_TIMEOUT before it is given up.
-START_WINDOW = 10.0
 STATUS_LOST = 255  # returncode when the fork server died before it could report a child's status
 
 
@@ -297,7 +295,7 @@ def _wait_until_serving(server: _Server) -> bool:
     """Waits for our fork server's socket (its import done); False, and no fork server for this
     process from now on, if it exited or took longer than START_TIMEOUT."""
     popen = server.popen
-    deadline = StartDeadline(START_TIMEOUT, START_WINDOW, server.started)
+    deadline = StartDeadline(START_TIMEOUT, started=server.started)
     importing = _Process(popen.pid)
     while not os.path.exists(server.path):
         if popen.poll() is not None or deadline.passed(time.monotonic(), [importing]):

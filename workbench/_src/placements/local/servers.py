@@ -27,10 +27,6 @@ SERVER_MODULE = "workbench._src.placements.local.server_main"
 # A worker that keeps dying (a crash in an op it runs, the machine's memory) is not replaced more
 # than this many times in one run: past it the run goes on without it, and says so.
 REPLACEMENTS_PER_WORKER = 3
-# How long servers past startup_timeout may show no progress before their start fails
-# (launch/start_progress.StartDeadline): a server importing TensorFlow on a starved machine
-# gets a CPU slice within seconds.
-STARTING_WINDOW = 10.0
 
 
 @dataclass
@@ -95,7 +91,7 @@ class LocalServers:
             for c in self.group.children
         }
         # (Past startup_timeout, servers still starting on a busy machine are given longer.)
-        deadline = StartDeadline(startup_timeout, STARTING_WINDOW, started)
+        deadline = StartDeadline(startup_timeout, started=started)
         while pending:
             dead = self.group.unexpected_exits()
             if dead:
