@@ -47,6 +47,10 @@ NODE_WAIT_LIMIT = 300.0
 # How long Ray waits for the GCS to write its port file (Ray's default is 30 s, its own setting
 # RAY_gcs_server_port_wait_time_s): the GCS is a process starting on the same loaded machine.
 GCS_PORT_WAIT_SECONDS = 300
+# How long a raylet of a local instance may leave the GCS's health checks unanswered before Ray
+# marks its node dead (which ends the instance): a starved raylet, all on one machine, as long as
+# the longest start is given (NODE_WAIT_LIMIT).
+HEALTH_CHECK_PATIENCE = NODE_WAIT_LIMIT
 # How many times a start is tried (a try that stalled is ended, then tried again).
 LOCAL_START_ATTEMPTS = 2
 # The ports of the raylet's agents (RayParams fields), chosen before the start (_start_settings).
@@ -61,6 +65,16 @@ _START_ENV = {
     # (Not RAY_raylet_start_wait_time_s: it is how long each of Ray's node queries blocks, 10 s;
     # the progress checks below run between them.)
     "RAY_agent_register_timeout_ms": str(int(NODE_WAIT_LIMIT * 1000)),
+    # The GCS's health check of the raylet: by Ray's defaults a raylet that has not answered for
+    # about a minute is marked dead, and a raylet so marked exits, so the instance is gone for
+    # good. All on one machine, that silence means a starved raylet, not a lost node (measured: a
+    # raylet stopped for 60 s lived on, one stopped for 150 s ended its instance), and a raylet
+    # that crashes takes its actors with it, which the watch names by their silence. Here a
+    # raylet is given about HEALTH_CHECK_PATIENCE of silence (failure_threshold checks, each
+    # up to timeout_ms, period_ms apart).
+    "RAY_health_check_period_ms": "5000",
+    "RAY_health_check_timeout_ms": "10000",
+    "RAY_health_check_failure_threshold": str(int(HEALTH_CHECK_PATIENCE // 15)),
 }
 
 
