@@ -233,11 +233,7 @@ def test_a_starved_raylet_is_not_taken_for_a_lost_node(ray_cluster):
     repl = wb.MultiWorkerReplicator(num_workers=2, cluster=ray_cluster)
     try:
         assert repl.train(setup=regression_setup, steps=5).status == "finished"
-        ours = f"wbray-{os.getpid()}-"
-        raylets = [
-            p for p in psutil.Process().children(recursive=True)
-            if p.cmdline()[:1] and p.cmdline()[0].endswith("/raylet") and any(ours in a for a in p.cmdline())
-        ]  # fmt: skip
+        raylets = [p for p in psutil.Process().children(recursive=True) if _is_our_raylet(p)]
         assert len(raylets) == 1, raylets
         raylets[0].suspend()
         try:
@@ -249,6 +245,17 @@ def test_a_starved_raylet_is_not_taken_for_a_lost_node(ray_cluster):
         assert raylets[0].is_running()
     finally:
         repl.shutdown()
+
+
+def _is_our_raylet(process) -> bool:
+    """The raylet of this process's local instance: its binary, naming our private Ray root."""
+    import psutil
+
+    try:
+        argv = process.cmdline()
+    except psutil.Error:  # ended meanwhile, or a zombie (a raylet's child its parent has not reaped)
+        return False
+    return bool(argv) and argv[0].endswith("/raylet") and any(f"wbray-{os.getpid()}-" in a for a in argv)
 
 
 @pytest.mark.slow
