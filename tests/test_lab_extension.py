@@ -311,6 +311,15 @@ def _step(run_row) -> int:
     return int(re.search(r"step ([\d,]+)", text).group(1).replace(",", ""))
 
 
+def _step_after(run_row, step: int) -> int:
+    """The step the row shows once it is past `step` (live: it grows while the kernel is idle).
+    Polled, up to WAIT_MS: at load 25 a step of the toy cell took 8 s."""
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while (now := _step(run_row)) <= step and time.monotonic() < deadline:
+        run_row.page.wait_for_timeout(250)
+    return now
+
+
 def _run_cell(page, index: int, notebook: str | None = None) -> None:
     """Selects cell `index` (command mode) and runs it with Shift+Enter, as a person does; makes
     sure it started ([*] or its count in the prompt). A page still settling (just opened, a side
@@ -553,8 +562,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
                     )
                     # Live: the step count grows while the kernel is idle (the run is in a thread).
                     first = _step(running)
-                    page.wait_for_timeout(1500)
-                    second = _step(running)
+                    second = _step_after(running, first)
                     assert second > first > 0, (first, second)
                     expect(running.locator(".wb-run-loss")).to_have_text(re.compile(r"^loss \d"))
                     expect(running.locator(".wb-run-throughput")).to_have_text(
@@ -994,7 +1002,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
                     # (a count in the prompt), then take the PNG, not a widget about to go.
                     cell = _cells(page, "a.ipynb").nth(3)
                     expect(cell.locator(".jp-InputPrompt").first).to_have_text(
-                        re.compile(r"\[\d+\]"), timeout=120_000
+                        re.compile(r"\[\d+\]"), timeout=WAIT_MS
                     )
                     figure = cell.locator(".jp-OutputArea-output.jp-RenderedImage img").first
                     expect(figure).to_be_visible()
@@ -1103,7 +1111,7 @@ START_JS = """(cell) => {
 def _watch_the_start(page, cell: int, clicked: float) -> list[dict]:
     """The cell's header and the sidebar card from the cell's start to its first step, every
     0.2 s: each sample with `t`, the seconds since `clicked` (monotonic)."""
-    seen, deadline = [], time.monotonic() + 240
+    seen, deadline = [], time.monotonic() + WAIT_MS / 1000
     while time.monotonic() < deadline:
         sample = page.evaluate(START_JS, cell)
         sample["t"] = round(time.monotonic() - clicked, 2)
@@ -1111,7 +1119,7 @@ def _watch_the_start(page, cell: int, clicked: float) -> list[dict]:
         if re.search(r"step [1-9][\d,]*/", sample["header"]):
             return seen
         page.wait_for_timeout(200)
-    raise AssertionError(f"no step within 240 s: {seen[-3:]}")
+    raise AssertionError(f"no step within {WAIT_MS / 1000:.0f} s: {seen[-3:]}")
 
 
 def _said_before_step_one(seen: list[dict], name: str) -> list[str]:
@@ -1380,7 +1388,7 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     page.locator(".lm-Menu-itemLabel", has_text="Theme").first.hover()
                     page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
                     expect(page.locator("body")).to_have_attribute("data-jp-theme-light", "false")
-                    deadline, dark = time.monotonic() + 60, light
+                    deadline, dark = time.monotonic() + WAIT_MS / 1000, light
                     while dark > 80 and time.monotonic() < deadline:
                         page.wait_for_timeout(500)
                         dark = _shown_brightness(figure, dark)

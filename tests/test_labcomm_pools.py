@@ -91,7 +91,7 @@ def test_the_sidebar_lists_the_warm_pool_and_shuts_it_down(tmp_path, monkeypatch
         assert found["status"] == "finished" and not set(found["pids"]) & set(pids)
         seen = sidebar.snapshots(lambda s: [p["state"] for p in s["pools"]] == ["idle"])
         assert seen[-1]["pools"][0]["idle_timeout"] == 3 and seen[-1]["pools"][0]["runs"] == 1
-        sidebar.snapshots(lambda s: s["pools"] == [], timeout=30)
+        sidebar.snapshots(lambda s: s["pools"] == [])
         assert not any(_alive(p) for p in found["pids"])
     finally:
         kc.stop_channels()
