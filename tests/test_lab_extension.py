@@ -1358,11 +1358,14 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     page.screenshot(path=str(SCREENSHOTS / "live-run-store.png"))
                     cut = sidebar.evaluate(CUT_TEXTS_JS)
                     assert cut == [], f"cut in the run store: {cut}"
-                    heights = [r.bounding_box()["height"] for r in rows.all()]
-                    line = rows.first.locator(".wb-stored-name").evaluate(
-                        "e => parseFloat(getComputedStyle(e).lineHeight) || 16"
+                    # (Measured in one evaluation in the page: row by row, a list re-rendered
+                    # meanwhile, as the store refreshes after a run, left a row without a box.)
+                    heights, name_heights, line = rows.evaluate_all(
+                        """rows => [rows.map(r => r.getBoundingClientRect().height),
+                                    rows.map(r => r.querySelector('.wb-stored-name').getBoundingClientRect().height),
+                                    parseFloat(getComputedStyle(rows[0].querySelector('.wb-stored-name')).lineHeight) || 16]"""
                     )
-                    names = [r.locator(".wb-stored-name").bounding_box()["height"] / line for r in rows.all()]
+                    names = [height / line for height in name_heights]
                     assert max(names) <= 3.2, f"run names wrap to {names} lines (rows {heights} px)"
                     for pick in sidebar.locator(".wb-pick-run").all():
                         pick.check()
