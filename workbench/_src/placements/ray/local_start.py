@@ -51,6 +51,9 @@ GCS_PORT_WAIT_SECONDS = 300
 # marks its node dead (which ends the instance): a starved raylet, all on one machine, as long as
 # the longest start is given (NODE_WAIT_LIMIT).
 HEALTH_CHECK_PATIENCE = NODE_WAIT_LIMIT
+# Ray's health check of such a raylet: a check every period, each waited for up to timeout, so
+# that a silent raylet fails a check about every period + timeout.
+HEALTH_CHECK_PERIOD_MS, HEALTH_CHECK_TIMEOUT_MS = 5000, 10000
 # How many times a start is tried (a try that stalled is ended, then tried again).
 LOCAL_START_ATTEMPTS = 2
 # The ports of the raylet's agents (RayParams fields), chosen before the start (_start_settings).
@@ -72,9 +75,11 @@ _START_ENV = {
     # is given about HEALTH_CHECK_PATIENCE of silence (failure_threshold checks, each up to
     # timeout_ms, period_ms apart). A raylet that crashes is then said ~100 s late, not ~15 s:
     # its actors' processes live on and train meanwhile; the run fails once the node is dead.
-    "RAY_health_check_period_ms": "5000",
-    "RAY_health_check_timeout_ms": "10000",
-    "RAY_health_check_failure_threshold": str(int(HEALTH_CHECK_PATIENCE // 15)),
+    "RAY_health_check_period_ms": str(HEALTH_CHECK_PERIOD_MS),
+    "RAY_health_check_timeout_ms": str(HEALTH_CHECK_TIMEOUT_MS),
+    "RAY_health_check_failure_threshold": str(
+        int(HEALTH_CHECK_PATIENCE * 1000 // (HEALTH_CHECK_PERIOD_MS + HEALTH_CHECK_TIMEOUT_MS))
+    ),
 }
 
 
