@@ -98,7 +98,13 @@ def regression_setup(repl):
     return step_fn, regression_input_fn
 
 
-def wait_for_steps(run, steps, timeout=900):
+# How long a test waits for a run it expects to finish (after a fault it survives): only to keep a
+# broken test from hanging. A stuck run fails on its own watch's rules; a slow one is a loaded
+# machine (a 500-step async-ps run took over 300 s beside two TensorFlow jobs at load 20).
+RUN_WAIT = 900.0
+
+
+def wait_for_steps(run, steps, timeout=RUN_WAIT):
     """Waits while the run is running and short of `steps`. A run that is stuck fails on its own
     watch's rules (its start, its members' heartbeats, both stretched while a busy machine starves
     it); the timeout only keeps a broken test from hanging."""

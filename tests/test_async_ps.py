@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 from helpers import (
     PROCESS_CELL,
+    RUN_WAIT,
     connect_error,
     host_addresses,
     nan_after_fifty_setup,
@@ -168,7 +169,7 @@ def test_async_ps_survives_a_killed_worker_with_an_exact_step_count():
     run = repl.train(setup=regression_setup, steps=1500, steps_per_execution=5, background=True)
     wait_for_steps(run, 100)
     os.kill(process_pid(run, "worker", 1), signal.SIGKILL)
-    run.wait(timeout=240)
+    run.wait(timeout=RUN_WAIT)
     assert run.status == "finished", run.stop_reason
     history = run.history
     assert run.steps == 1500 and list(history["step"]) == list(range(1, 1501))

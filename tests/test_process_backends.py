@@ -229,7 +229,6 @@ def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit()
     repl = wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=2)
     run = repl.train(setup=busy_worker_1_setup(4), steps=20)  # silent 4 s or more: 2 timeouts
     assert run.status == "finished" and run.steps == 20
-    started = time.monotonic()
     with pytest.raises(
         wb.WorkerError,
         match=r"worker 1 \(pid \d+\) stopped responding: no heartbeat for \d+ s while it kept a CPU busy "
@@ -237,12 +236,11 @@ def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit()
     ) as caught:
         # A call 16 times the limit (in CPU time, as the limit is): the run ends once the worker
         # has used the limit's CPU time while silent (2 timeouts x 6 = 12 CPU-s), not at the
-        # call's end. (On a loaded machine that takes longer than 12 s: a process getting a share
-        # of a core is not stuck, the limit is CPU time.)
+        # call's end (192 CPU-s). The CPU time it used says which; wall time does not (at load 20
+        # this run took 169 s: a process getting a share of a core is not stuck).
         repl.train(setup=busy_worker_1_setup(16 * BUSY_SILENCE_LIMIT * 2), steps=20)
     used = int(re.search(r"\((\d+) CPU-seconds", str(caught.value)).group(1))
     assert BUSY_SILENCE_LIMIT * 2 <= used < 2 * BUSY_SILENCE_LIMIT * 2, str(caught.value)
-    assert time.monotonic() - started < 8 * BUSY_SILENCE_LIMIT * 2  # far from the call's 192 CPU-s
 
 
 def worker_number(repl):

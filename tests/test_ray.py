@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import PROCESS_CELL, busy_worker_1_setup, regression_setup, wait_for, wait_for_steps
+from helpers import PROCESS_CELL, RUN_WAIT, busy_worker_1_setup, regression_setup, wait_for, wait_for_steps
 
 import workbench as wb
 from workbench._src.notebook import session
@@ -187,7 +187,7 @@ def test_a_killed_async_worker_actor_lets_training_go_on(ray_cluster):
         wait_for_steps(run, 50)
         victim = next(p for p in run.processes if p["role"] == "worker" and p["index"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)
-        run.wait(timeout=300)
+        run.wait(timeout=RUN_WAIT)
         assert run.status == "finished", run.stop_reason
         assert list(run.history["step"]) == list(range(1, 501))
         said = [e.data.get("text", "") for e in run.events if e.kind == "message"]
