@@ -143,7 +143,14 @@ def _end_pools_and_check() -> None:
     pids = _pool_pids()
     pool.shutdown()
     left = _wait_gone(pids)
-    if left:
+    # A busy pool is only marked retiring by shutdown(): it goes when its run ends (at once for a
+    # run that just ended; never for one the test left going, whatever its placement: a Ray
+    # actor is not among _cluster_pids).
+    deadline = time.monotonic() + GONE_WAIT
+    while pool.live_pools() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    kept = [f"{each.shape} ({each.state})" for each in pool.live_pools()]
+    if left or kept:
         pool.POOLS.stop_all_at_exit()
         with pool.POOLS.lock:
             pool.POOLS.pools.clear()
@@ -151,6 +158,7 @@ def _end_pools_and_check() -> None:
             with contextlib.suppress(OSError):
                 os.kill(int(pid), signal.SIGKILL)
     assert not left, f"warm-pool processes left behind after shutdown: {sorted(left)}"
+    assert not kept, f"warm pools left busy after shutdown (their runs never ended): {kept}"
 
 
 def _wait_gone(pids: set[str], within: float = GONE_WAIT) -> set[str]:

@@ -25,7 +25,7 @@ import time
 import cloudpickle
 import psutil
 import pytest
-from helpers import placement_under_test, process_pid, regression_setup, wait_for
+from helpers import placement_under_test, process_pid, regression_setup, wait_for, wait_for_steps
 
 import workbench as wb
 from workbench._src.launch import pool as pools
@@ -104,7 +104,7 @@ def test_a_pool_a_run_has_taken_is_not_stopped_by_a_retirement_decided_while_it_
     (pool,) = pools.live_pools()
     assert pool.state == "idle"
     run = repl.train(setup=regression_setup, steps=1_000_000, background=True)
-    wait_for(lambda: run.steps >= 5 or run.ended, 60, "the run on the warm pool to step")
+    wait_for_steps(run, 5)
     assert pool.state == "busy" and pids(run) == pids(first)
     pools._retire_all([(pool, "idle for 600 s")])
     time.sleep(1.0)  # (a stopped pool's worker exits within this: the run would fail)
@@ -144,7 +144,7 @@ def test_a_frozen_member_is_named_and_nothing_of_its_pool_is_left(placement):
     (killed while stopped, the frozen one included) and each member's temp folder goes."""
     repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2, heartbeat_timeout=3))
     run = repl.train(setup=regression_setup, steps=1_000_000, background=True)
-    wait_for(lambda: run.steps >= 20 or run.ended, 120, "the run to step")
+    wait_for_steps(run, 20)
     folders = [str(member.tmp_dir) for member in repl.launcher.pool.group.children]
     assert all(os.path.isdir(folder) for folder in folders), folders
     victim = process_pid(run, "worker", 1)
@@ -169,13 +169,13 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     when the run ended (retired: a fresh pool, and the next run says why)."""
     repl = wb.MultiWorkerAsyncReplicator(**placement.options(num_workers=2, num_ps=1))
     run = repl.train(setup=regression_setup, steps=1_000_000, steps_per_execution=5, background=True)
-    wait_for(lambda: run.steps >= 50 or run.ended, 180, "the run to step")
+    wait_for_steps(run, 50)
     first = pids(run)
     victim = process_pid(run, "worker", 1)
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: any("worker 1" in t for t in messages(run)) or run.ended, 60, "the lost worker to be said")
     steps = run.steps
-    wait_for(lambda: run.steps >= steps + 10 or run.ended, 120, "the run to go on without worker 1")
+    wait_for_steps(run, steps + 10)  # (it goes on without worker 1)
     stopping = time.monotonic()
     run.stop().wait(timeout=60)
     assert run.status == "stopped" and time.monotonic() - stopping < 10, (run.status, run.stop_reason)
