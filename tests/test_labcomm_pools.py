@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import LabFrontend, shell_reply
+from helpers import MESSAGE_WAIT, RUN_WAIT, LabFrontend, shell_reply
 
 TESTS = Path(__file__).resolve().parent
 
@@ -32,8 +32,9 @@ TRAIN = "run = wb.MultiWorkerReplicator(num_workers=1{}).train(setup=regression_
 RUN = {"pids": "[p['pid'] for p in run.processes]", "status": "run.status"}
 
 
-def _execute(kc, code: str, expressions: dict | None = None, timeout: float = 60) -> dict:
-    """Runs `code` in the kernel and returns `expressions` (literals) evaluated there afterwards."""
+def _execute(kc, code: str, expressions: dict | None = None, timeout: float = MESSAGE_WAIT) -> dict:
+    """Runs `code` in the kernel and returns `expressions` (literals) evaluated there afterwards.
+    `timeout` only keeps a broken test from hanging (a loaded kernel's %load_ext took over 60 s)."""
     msg_id = kc.execute(code, user_expressions=expressions or {})
     content = shell_reply(kc, msg_id, timeout, f"{code[:60]!r}...")["content"]
     assert content["status"] == "ok", f"{content.get('ename')}: {content.get('evalue')}"
@@ -64,9 +65,9 @@ def test_the_sidebar_lists_the_warm_pool_and_shuts_it_down(tmp_path, monkeypatch
         assert hello["pools"] == []
 
         # A run on a process backend: its pool is pushed busy while it trains, idle once it ends.
-        _execute(kc, SETUP, timeout=120)
+        _execute(kc, SETUP)
         started = time.time()
-        found = _execute(kc, TRAIN.format(""), RUN, timeout=300)
+        found = _execute(kc, TRAIN.format(""), RUN, timeout=RUN_WAIT)
         assert found["status"] == "finished"
         pids = found["pids"]
         assert len(pids) == 1 and all(_alive(p) for p in pids)
@@ -87,7 +88,7 @@ def test_the_sidebar_lists_the_warm_pool_and_shuts_it_down(tmp_path, monkeypatch
         assert after["pools"] == []
 
         # A pool that ends on its own (its idle timer, another thread; nothing asked) is pushed too.
-        found = _execute(kc, TRAIN.format(", idle_timeout=3"), RUN, timeout=300)
+        found = _execute(kc, TRAIN.format(", idle_timeout=3"), RUN, timeout=RUN_WAIT)
         assert found["status"] == "finished" and not set(found["pids"]) & set(pids)
         seen = sidebar.snapshots(lambda s: [p["state"] for p in s["pools"]] == ["idle"])
         assert seen[-1]["pools"][0]["idle_timeout"] == 3 and seen[-1]["pools"][0]["runs"] == 1

@@ -25,7 +25,7 @@ import time
 import cloudpickle
 import psutil
 import pytest
-from helpers import placement_under_test, process_pid, regression_setup, wait_for, wait_for_steps
+from helpers import RUN_WAIT, placement_under_test, process_pid, regression_setup, wait_for, wait_for_steps
 
 import workbench as wb
 from workbench._src.launch import pool as pools
@@ -292,10 +292,11 @@ def test_choosing_a_process_backend_starts_its_pool_in_the_background(notebook):
     """`%replicate --backend multi-worker --workers 2` starts the pool; the first cell finds its
     processes up (TensorFlow imported, the cluster formed) and says how long ago they started."""
     repl = notebook.run_line_magic("replicate", "--backend multi-worker --workers 2")
-    wait_for(lambda: [p.describe()["state"] for p in pools.live_pools()] == ["idle"], 30, "the pool")
+    # (waits that only keep a broken test from hanging: a start that stalls fails on its own rules)
+    wait_for(lambda: [p.describe()["state"] for p in pools.live_pools()] == ["idle"], RUN_WAIT, "the pool")
     (pool,) = pools.live_pools()
     started = [p["pid"] for p in pool.processes]
-    wait_for(lambda: pool.channel.messages.qsize() >= 2, 60, "both workers to connect")  # (their hellos)
+    wait_for(lambda: pool.channel.messages.qsize() >= 2, RUN_WAIT, "both workers to connect")  # (their hellos)
     run = repl.train(setup=regression_setup, steps=10)
     assert run.status == "finished" and pids(run) == started
     (ready,) = [t for t in messages(run) if "processes ready" in t]
