@@ -74,6 +74,16 @@ def process_start_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields else None  # starttime: field 22
 
 
+def boot_id() -> str | None:
+    """This kernel's id for its current boot (None: not shown). Two processes that read the same
+    one run on the same machine, whatever Ray calls their nodes."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
     fields = _stat_fields(pid)

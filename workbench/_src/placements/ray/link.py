@@ -19,6 +19,7 @@ import threading
 import time
 
 from workbench._src.placements.proc import (
+    boot_id,
     process_cpu_seconds,
     process_cpu_wait,
     process_start_ticks,
@@ -51,11 +52,16 @@ class RayMember:
     def _take(self, actor, where: dict) -> None:
         """The actor this member is (at its start, or a replacement's on the same node and port)."""
         self.actor, self.pid, self.tmp_dir = actor, where["pid"], where["tmp_dir"]
-        # Its CPU time is readable here when it runs on this process's node and this /proc shows
-        # it (the same pid started at the same moment: not a namespace's or a reused pid).
+        # Its CPU time is readable here when it runs on this machine (this process's Ray node, or
+        # another node on the same kernel: several nodes of one machine, each in its own network)
+        # and this /proc shows it (the same pid started at the same moment: not a reused pid):
+        # its start and its silences are then judged by its progress. Elsewhere only its
+        # heartbeats tell, and its start is bounded by startup_timeout alone. (Its death is
+        # read from /proc on this node only: on another, Ray's report names the node's loss.)
         started = where.get("started")
+        same_machine = self.on_this_node or (where.get("boot_id") is not None and where.get("boot_id") == boot_id())
         self._started = started
-        self._cpu_readable = self.on_this_node and started is not None and started == process_start_ticks(self.pid)
+        self._cpu_readable = same_machine and started is not None and started == process_start_ticks(self.pid)
         self.dead = False
         self.death = ""
         self.exited = False  # it left its serve loop (shutdown)
@@ -86,7 +92,7 @@ class RayMember:
 
     def process_gone(self) -> bool:
         """Its process has ended, as this node's /proc shows (False where it cannot be read)."""
-        if not self._cpu_readable:
+        if not (self._cpu_readable and self.on_this_node):
             return False
         return not same_process_running(self.pid, self._started)
 

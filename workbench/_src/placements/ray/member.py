@@ -36,7 +36,7 @@ import time
 
 from workbench._src.placements.local.channel import LinkInbox
 from workbench._src.placements.local.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
-from workbench._src.placements.proc import process_start_ticks
+from workbench._src.placements.proc import boot_id, process_start_ticks
 
 # A member's heartbeat period: well under the launcher's heartbeat_timeout (10 s by default), so
 # a few late beats are not silence; as a local member's.
@@ -145,6 +145,7 @@ class Member:
             "node_id": ray.get_runtime_context().get_node_id(),
             "tmp_dir": self.tmp_dir,
             "started": process_start_ticks(os.getpid()),  # (with the pid: this very process)
+            "boot_id": boot_id(),  # (the same as the launcher's: on its machine, another node or not)
         }
 
     def messages(self, env: dict):
