@@ -202,3 +202,26 @@ def test_the_cli_says_what_a_ray_start_waits_for_in_order(tmp_path):
     assert None not in at and at == sorted(at), "\n".join(lines)
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
     assert at[-1] < first_step, "\n".join(lines)
+
+
+def test_a_raylet_gone_at_start_is_said_with_its_last_error(tmp_path):
+    # A failed try's Ray folder is removed with its processes, so the raylet's own account of its
+    # end is read first and said with "its raylet is gone". The lines are in Ray 2.60's format.
+    from workbench._src.placements.ray.local_start import raylet_last_error
+
+    logs = tmp_path / "ray" / "session_2026-11-27_07-33-28_018671_24741" / "logs"
+    logs.mkdir(parents=True)
+    assert raylet_last_error(str(tmp_path)) == ""
+    (logs / "raylet.out").write_text(
+        "[2026-11-27 07:33:34,398 I 4378 4378] (raylet) grpc_server.cc:144: NodeManager server started.\n"
+        "[2026-11-27 07:33:40,001 E 4378 4390] (raylet) gcs_client.cc:88: GCS did not answer in 60 s.\n"
+        "[2026-11-27 07:33:49,978 C 4378 4378] (raylet) node_manager.cc:3576:  An unexpected system state "
+        "has occurred. You have likely discovered a bug in Ray. Check failed: ports.has_value() Timed out "
+        "waiting for file /tmp/ray/session_x/metrics_agent_port_5818\n"
+        "*** StackTrace Information ***\n"
+    )
+    said = raylet_last_error(str(tmp_path))
+    assert said == (
+        "node_manager.cc:3576: Check failed: ports.has_value() Timed out waiting for file "
+        "/tmp/ray/session_x/metrics_agent_port_5818"
+    ), said

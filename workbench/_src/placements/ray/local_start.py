@@ -24,6 +24,7 @@ behind when it fails.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import secrets
 import shutil
@@ -223,13 +224,31 @@ class _StartProgress:
         states = {pid: _state(pid) for pid in pids if _is_raylet(pid)}
         if not any(state not in ("Z", "T", "t", None) for state in states.values()):
             stopped = [pid for pid, state in states.items() if state in ("T", "t")]
-            return f"its raylet (pid {stopped[0]}) is stopped" if stopped else "its raylet is gone"
+            if stopped:
+                return f"its raylet (pid {stopped[0]}) is stopped"
+            said = raylet_last_error(self.root)  # (read now: a failed try's folder is removed)
+            return f"its raylet is gone ({said})" if said else "its raylet is gone"
         cpu = sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
         if cpu != self.cpu:
             self.cpu, self.since = cpu, time.monotonic()
         if time.monotonic() - self.since > RAYLET_STALL_SECONDS:
             return f"no process of the instance ran for {RAYLET_STALL_SECONDS:.0f} s"
         return ""
+
+
+def raylet_last_error(root: str) -> str:
+    """The last error or fatal line the instance's raylet logged under `root`, without Ray's
+    prefix (time, level, pids) and cut short; "" when there is none."""
+    found = ""
+    for path in glob.glob(os.path.join(root, "ray", "session_*", "logs", "raylet.out")):
+        with contextlib.suppress(OSError), open(path, errors="replace") as f:
+            for line in f:
+                # Ray's own format: "[2026-11-27 07:33:49,978 C 4378 4378] (raylet) file.cc:12: text"
+                if len(line) > 26 and line.startswith("[") and line[24:26] in (" E", " C", " F"):
+                    found = line.split("] ", 1)[-1].removeprefix("(raylet) ").strip()
+    if "Check failed:" in found:  # (a crash: Ray's plea to report a bug comes first, the cause after)
+        found = f"{found.split(' ', 1)[0]} {found[found.index('Check failed:') :]}"
+    return found[:300]
 
 
 def _state(pid: int) -> str | None:
