@@ -1,6 +1,5 @@
 """The owned run loop and the input modes: caching, fusing, continuation, stops, checkpoints."""
 
-import gc
 import logging
 import os
 import re
@@ -200,36 +199,6 @@ def test_context_is_reentrant_and_remembers_each_variable_once():
             inner = tf.Variable(2.0)
     assert [id(v) for v in repl._created_variables] == [id(outer), id(inner)]
     assert isinstance(inner, tf.distribute.DistributedValues)  # still mirrored in the inner scope
-
-
-def test_a_setup_run_leaves_neither_its_program_nor_its_variables_on_the_replicator():
-    # Its functions were made for it: kept, every setup= run's traced graphs, input iterator and
-    # weights stayed with the replicator (20-40 MiB a run for a digits MLP). What the replicator
-    # held before (the user's own variables, a program of their functions) stays.
-    import weakref
-
-    repl = wb.replicator("mirrored", num_replicas=2)
-    with repl.context():
-        mine = tf.Variable(3.0)
-    x = np.ones((64, 4), "float32")
-    users_step = lambda b: {"m": tf.reduce_mean(b)}  # noqa: E731
-    users_input = lambda ctx: tf.data.Dataset.from_tensor_slices(x).repeat().batch(16)  # noqa: E731
-    repl.train(users_step, users_input, steps=2)
-    built = []
-
-    def setup(repl):
-        w = tf.Variable(tf.ones((4, 1)))
-        built.append(weakref.ref(w))
-        return (lambda b: {"y": tf.reduce_mean(b @ w)}), users_input
-
-    for background in (False, True):
-        run = repl.train(setup=setup, steps=3, background=background).wait(timeout=600)
-        assert run.status == "finished"
-        assert list(repl._programs) == [(users_step, users_input)]
-        assert [id(v) for v in repl._created_variables] == [id(mine)]
-    del run
-    gc.collect()
-    assert [ref() for ref in built] == [None, None]  # its weights are gone with it
 
 
 def test_interrupted_run_writes_its_checkpoint(tmp_path):

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Literal
 
-from workbench._src.core import cells, primitives, reaper, run_loop
+from workbench._src.core import cells, primitives, run_loop
 from workbench._src.core.checkpoints import Saver, named_items, restore_latest
 from workbench._src.core.errors import ConfigurationError, ReplicaContextError
 from workbench._src.core.inputs import InputReplication
@@ -250,14 +250,11 @@ class Replicator:
         """
         self._check_train_arguments(step_fn, input_fn, setup)
         first_variable = len(self._created_variables)
-        earlier = {id(v) for v in self._created_variables}  # (the list holds them: ids stay theirs)
         if setup is not None:
             with self.context():
                 step_fn, input_fn = cells.functions_from_setup(setup(self))
         opts = options_from(steps, options)
         program = self._program(step_fn, input_fn)
-        # What this setup built, not what earlier setups of this replicator built too.
-        own = self._created_variables[first_variable:] if setup is not None else None
         saver = None
         if opts.checkpoint_dir:
             if opts.checkpoint is None:
@@ -265,6 +262,8 @@ class Replicator:
                 # optimizer makes its slots while the step is first traced, so trace it now, or
                 # they would be missing from the list (a resumed Adam would start from zero moments).
                 program.trace()
+            # What this setup built, not what earlier setups of this replicator built too.
+            own = self._created_variables[first_variable:] if setup is not None else None
             saver = Saver(
                 program,
                 opts.checkpoint_dir,
@@ -272,35 +271,7 @@ class Replicator:
                 resume=opts.resume,
                 write_directory=self._checkpoint_write_directory(opts.checkpoint_dir),
             )
-        run = None
-        try:
-            run = run_loop.train(self, program, self._executor(program), saver, opts)
-            return run
-        finally:
-            if setup is not None:
-                self._release_when_ended(run, (step_fn, input_fn), earlier)
-
-    def _release_when_ended(self, run, key: tuple, earlier: set[int]) -> None:
-        """Forgets a `setup=` run's program and variables once the run has ended (`run` None: it
-        failed before it began). Its functions were made for it, so no later call can name its
-        program again; kept, every such run's traced graphs, input iterator and weights stayed
-        with the replicator for good (measured: 20-40 MiB a run for a digits MLP on mirrored x2).
-        Its variables: those made in repl.context() since its train call (its setup's, and the
-        optimizer slots its first trace made)."""
-
-        def release(event=None) -> None:
-            if event is not None and event.kind != "ended":
-                return
-            program = self._programs.pop(key, None)
-            # (in place: repl.context() appends to this very list object)
-            self._created_variables[:] = [v for v in self._created_variables if id(v) in earlier]
-            if program is not None:
-                reaper.discard_programs([program])  # its iterator deleted off this thread
-
-        if run is None or run.ended:
-            release()
-        else:
-            run.subscribe(release)  # (past events replayed: an end meanwhile is not missed)
+        return run_loop.train(self, program, self._executor(program), saver, opts)
 
     def _check_train_arguments(self, step_fn, input_fn, setup) -> None:
         if setup is None and (step_fn is None or input_fn is None):
