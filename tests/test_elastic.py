@@ -28,6 +28,16 @@ def _messages(run, words: str) -> list[str]:
     return [e.data["text"] for e in run.events if e.kind == "message" and words in e.data.get("text", "")]
 
 
+def _story(run) -> str:
+    """What a failed elastic run went through: its restarts, checkpoints and messages, in order,
+    and the global steps of its history where they do not follow on from the row before."""
+    lines = [f"{e.kind} at {e.step}: {e.data.get('text') or e.data.get('path') or e.data}"
+             for e in run.events if e.kind in ("restart", "checkpoint", "message")]  # fmt: skip
+    g = run.history["global_step"].tolist()
+    jumps = [(i + 1, a, b) for i, (a, b) in enumerate(zip(g, g[1:])) if b != a + 1]
+    return "\n".join(lines + [f"history rows {len(g)}; global_step jumps (row, from, to): {jumps}"])
+
+
 def _one_device(folder, steps: int) -> None:
     """The reference: one device on the global batch, saved at the same steps."""
     wb.replicator("single").train(setup=mlp_setup, steps=steps, checkpoint_dir=folder, checkpoint_every=25)
@@ -169,7 +179,7 @@ def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp
         flag.unlink()
         run.wait(600)
         assert run.status == "finished", run.stop_reason
-        assert run.history["step"].tolist() == list(range(1, 401))  # each step once
+        assert run.history["step"].tolist() == list(range(1, 401)), _story(run)  # each step once
         assert len(run.restarts) == 1  # growing back is no heal
         assert _messages(run, "growing back from 1 to 2 workers")
         assert [p["role"] for p in run.processes] == ["worker", "worker"]

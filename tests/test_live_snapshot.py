@@ -76,6 +76,32 @@ def test_a_rewound_run_has_a_snapshot_of_what_is_left_at_once():
     assert {k: snap[k] for k in figures({})} == figures(run.history, running=True, target_steps=3000)
 
 
+def test_a_heal_rewinds_by_global_step_and_numbers_each_attempts_rows_from_the_runs_first():
+    """launch/heal.py: what a rewind keeps, and a relayed row's step, follow the rows' global
+    steps, not their count: a run that began at global step 40 (a second run of a model) whose
+    rows of global steps 61-65 never came (a relay lost them), rewound to its checkpoint at
+    global 75. A count would keep 35 rows, global 76-80 among them, and the next attempt's rows
+    would repeat them."""
+    from workbench._src.launch.heal import Healing
+
+    def row(g):
+        return {"step": g - 40, "global_step": g, "wall_time": g / 10, "examples_per_sec": 1.0, "loss": 1.0}
+
+    run = Run({"backend": "multi-worker", "steps": 100})
+    run._start()
+    healing = Healing(run, type("Opts", (), {"max_restarts": 1})(), {})
+    healing.first_global = 40  # (from the first attempt's "started": first_step 41)
+    run.record_rows([healing.step_of(row(g)) for g in [*range(41, 61), *range(66, 81)]])
+    assert run._rewind(75) == 30
+    assert run.history["global_step"].tolist() == [*range(41, 61), *range(66, 76)]
+    # The next attempt resumed at global 75: its own steps 1, 2, ... are the run's 36, 37, ...
+    resumed = [{**row(g), "step": g - 75} for g in (76, 77)]
+    run.record_rows([healing.step_of(r) for r in resumed])
+    assert run.history["step"].tolist()[-3:] == [35, 36, 37]
+    assert run._rewind(None) == 0  # no checkpoint: the run starts anew, nothing kept
+    healing.close()
+
+
 def test_doing_now_says_what_a_run_does_before_step_one_then_gives_way_to_the_steps():
     assert live.doing_now(None, None, "running") == live.COMPILING
     starting = "starting 2 multi-worker processes (each imports TensorFlow, then they form the cluster)"

@@ -335,15 +335,19 @@ class Run:
             fresh = self._live.add(rows, self.config.get("steps"))
         self.publish("metrics", rows=rows, **({"snapshot": fresh} if fresh else {}))
 
-    def _rewind(self, steps: int) -> None:
-        """Keeps the first `steps` rows (a healed run goes on from its checkpoint's step: the rows
-        after it are trained again, not kept twice). Sinks learn it from the "restart" event."""
+    def _rewind(self, global_step: int | None) -> int:
+        """Keeps the rows up to `global_step` (a healed run goes on from its checkpoint's step:
+        the rows after it are trained again, not kept twice; None: no checkpoint, none kept).
+        By each row's global step, not by position: a row relayed late or twice cannot shift
+        what is kept. Returns how many rows are left. Sinks learn it from the "restart" event."""
         with self._lock:
-            steps = max(0, min(steps, self._rows))
-            for column in self._columns.values():
-                del column[steps:]
-            self._rows = steps
+            globals_ = self._columns.get("global_step", [])
+            kept = [i for i, g in enumerate(globals_) if global_step is not None and g <= global_step]
+            for name, column in self._columns.items():
+                self._columns[name] = [column[i] for i in kept]
+            self._rows = len(kept)
             self._live.rewind(self._columns, self.config.get("steps"))  # ("restart" carries it)
+            return self._rows
 
     def rename(self, name: str) -> None:
         """Sets the name shown everywhere (wb.rename_run also renames it in the run store)."""

@@ -5,6 +5,8 @@ run does not end: the launcher retires the pool, starts a whole new one, and the
 its latest checkpoint (core/resume.py makes that exact: the input's position and the run's goal
 are in it). The notebook's Run goes on: its history is rewound to the checkpoint's step, so the
 stretch lost with the member is re-run, not duplicated, and `run.restarts` gets one dict per heal.
+Both go by each row's global step (the program's, which a checkpoint keeps): a row's step in the
+run is its global step past the run's first, whichever attempt ran it.
 
 Why a whole new pool rather than one new member: under MultiWorkerMirroredStrategy a survivor
 cannot run collectives again after a peer is lost (its collective runtime is aborted: NOTES.md),
@@ -53,7 +55,9 @@ class Healing:
                 self.options["checkpoint_dir"] = self.scratch
             self.options["checkpoint_every"] = self.options.get("checkpoint_every") or HEAL_CHECKPOINT_EVERY
         self.elastic = None  # an elastic run's worker counts (launch/elastic.py), set by the launcher
-        self.step_offset = 0  # rows of a healed attempt count on from the step it resumed at
+        # The global step before the run's first row: a row's step is its global step past it,
+        # in every attempt (a healed one resumes mid-run). Set by the first attempt's "started".
+        self.first_global: int | None = None
         self.continued = False  # the next attempts continue this run (a heal, an elastic grow)
         self._waiting: tuple[float, dict] | None = None  # (when healing began, its record)
 
@@ -78,7 +82,7 @@ class Healing:
         run = self.run
         self.left -= 1
         lost_at = run.steps
-        global_step, run_step = self._latest_checkpoint()
+        global_step = self._latest_checkpoint()
         record = {
             "member": member or "a member",
             "cause": cause,
@@ -89,26 +93,33 @@ class Healing:
         if self.elastic is not None and self.elastic.enabled:
             record["workers"] = None  # the count it went on with, once its rows arrive
         run.restarts.append(record)
-        self._resume_from(global_step, run_step, record)
+        self._resume_from(global_step, record)
         self._waiting = (time.monotonic(), record)
 
     def resume_latest(self) -> int | None:
         """The next attempt resumes from the latest checkpoint, without a heal (an elastic run
         growing back, from the save its members made when asked). Returns its global step."""
-        global_step, run_step = self._latest_checkpoint()
-        self._resume_from(global_step, run_step, None)
+        global_step = self._latest_checkpoint()
+        self._resume_from(global_step, None)
         return global_step
 
-    def _resume_from(self, global_step: int | None, run_step: int, record: dict | None) -> None:
+    def _resume_from(self, global_step: int | None, record: dict | None) -> None:
         run = self.run
-        run._rewind(run_step)
+        run_step = run._rewind(global_step)
         if record is not None:
             run.publish("restart", run_step=run_step, snapshot=run.snapshot, **record)  # (rewound)
-        self.step_offset = run_step
         self.continued = True
         if global_step is not None:  # a checkpoint of this run exists: the next attempt resumes it
             self.options["resume"] = True
+        else:  # the next attempt starts the run anew: its "started" says where it begins
+            self.first_global = None
         self.options["warmup"] = 0  # (the first attempt's warm-up steps are in the checkpoint)
+
+    def step_of(self, row: dict) -> dict:
+        """A relayed row with its step in the run: its global step past the run's first."""
+        if self.first_global is None or row.get("global_step") is None:
+            return row
+        return {**row, "step": int(row["global_step"]) - self.first_global}
 
     def rows_arrived(self) -> None:
         """Called as the healed attempt's first rows come in: the heal is over; say it once."""
@@ -121,15 +132,11 @@ class Healing:
             record["workers"], record["of_workers"] = self.elastic.workers, self.elastic.full.num_workers
         self.run.publish("message", text=heal_line(record, self.run.restarts))
 
-    def _latest_checkpoint(self) -> tuple[int | None, int]:
-        """(global step of this run's latest checkpoint or None, the run's own step count there)."""
+    def _latest_checkpoint(self) -> int | None:
+        """The global step of this run's latest checkpoint (the last one its events name), or None."""
         saved = [e.data.get("path") or "" for e in self.run.events if e.kind == "checkpoint"]
         numbers = [int(m.group(1)) for m in map(_CHECKPOINT_NUMBER.search, saved) if m]
-        if not numbers:
-            return None, 0
-        history = self.run.history
-        first_global = int(history["global_step"].iloc[0]) - 1 if len(history) else numbers[-1]
-        return numbers[-1], max(0, numbers[-1] - first_global)
+        return numbers[-1] if numbers else None
 
     def close(self) -> None:
         if self.scratch is not None:

@@ -170,13 +170,14 @@ class Watch:
         if event_kind == "metrics":
             healing = self.launcher.healing
             rows = data["rows"]
-            if healing is not None:
-                if healing.step_offset:  # a healed attempt counts on from the step it resumed at
-                    rows = [{**row, "step": row["step"] + healing.step_offset} for row in rows]
+            if healing is not None:  # (any attempt: the first one's steps are unchanged by it)
+                rows = [healing.step_of(row) for row in rows]
                 healing.rows_arrived()
             run.record_rows(rows)
         elif event_kind == "started":
             healing = self.launcher.healing
+            if healing is not None and healing.first_global is None:
+                healing.first_global = data.get("first_step", 1) - 1
             if run.restarts or (healing is not None and healing.continued):
                 return  # a healed or grown attempt: the run started long ago, and its goal stays
             steps = data.get("steps", run.config.get("steps"))
