@@ -274,6 +274,47 @@ def test_members_on_this_node_leave_no_temp_folder_when_ray_was_shut_down_first(
     assert [folder for folder in folders if os.path.exists(folder)] == []
 
 
+# The user's own ray.shutdown() right after runs, their pools still warm, in a script that imported
+# Ray before the workbench (so Ray's auto-connect is on: any Ray call after the shutdown would start
+# a new local instance, from our thread, tied to it). Three rounds: the race is a matter of timing.
+SHUT_DOWN_UNDER_WARM_POOLS = """
+import os, sys, time
+import ray  # (first: auto-connect on)
+sys.path.insert(0, sys.argv[1])
+import cloudpickle, helpers
+cloudpickle.register_pickle_by_value(helpers)
+import workbench as wb
+for round in range(3):
+    cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
+    repl = wb.MultiWorkerReplicator(num_workers=2, cluster=cluster)
+    assert repl.train(setup=helpers.regression_setup, steps=5).status == "finished"
+    time.sleep(round * 0.1)
+    ray.shutdown()
+    repl.shutdown()
+    time.sleep(1.0)
+    assert not ray.is_initialized(), f"round {round}: a Ray call after ray.shutdown() started a new instance"
+    cluster.shutdown()
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_ray_shut_down_by_the_user_under_warm_pools_starts_no_new_instance(tmp_path):
+    """The links' Ray calls hold Ray's connect/shutdown lock (placements/ray/link.py): a user's
+    ray.shutdown() waits for a wait in progress, and no call follows it. (Without the lock, 2 of 6
+    such scripts started a local instance in RAY_TMPDIR from the link's thread after the shutdown.)"""
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    env = {**os.environ, "RAY_TMPDIR": str(stray)}
+    env.pop("RAY_ENABLE_AUTO_CONNECT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", SHUT_DOWN_UNDER_WARM_POOLS, os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=RUN_WAIT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert list(stray.iterdir()) == [], "a Ray instance was started after ray.shutdown()"
+
+
 # A Ray member's process, made without Ray (its constructor needs none), then killed by a signal.
 MEMBER_KILLED = """
 import os, signal

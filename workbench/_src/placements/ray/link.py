@@ -9,6 +9,10 @@ link to them (`RayLink`), on Ray's own primitives (placements/ray/member.py is t
     (ActorDiedError with the node's death, ActorUnavailableError): no missed poll decides it.
   - What the launcher says (work, stop, shutdown) goes by actor calls (`Member.deliver`), each
     waited for: calls to a threaded actor may run out of order, and a member's messages must not.
+  - Every Ray call here holds Ray's own connect/shutdown lock (`_ray_shutdown_lock`): a user's
+    `ray.shutdown()` then waits for a wait in progress (<= WAIT_SECONDS) instead of tearing the
+    connection down under it, which can abort this whole process in Ray's C++ core (a suite's
+    test process was lost that way: `ray.shutdown()` right after a run, its pool still warm).
 """
 
 from __future__ import annotations
@@ -29,9 +33,20 @@ from workbench._src.placements.proc import (
 # How long one ray.wait waits for any member to say something: it bounds how late the link sees
 # that it was closed, nothing else (a message ends the wait at once).
 WAIT_SECONDS = 0.5
+# A pause between two waits, out of Ray's lock: a thread waiting for it (ray.shutdown, ray.init)
+# gets it here (Python's locks are not fair: released and taken again at once, it can starve them).
+LOCK_GAP_SECONDS = 0.001
 # How long a message to members is waited for: a dead member answers at once (Ray's error), a
 # frozen or cut-off one never, and it must not hold the launcher longer than this.
 SEND_TIMEOUT = 5.0
+
+
+def _ray_shutdown_lock():
+    """The lock Ray holds around `ray.init`'s connect and `ray.shutdown()` (re-entrant). A private
+    name of Ray's (2.60): without it, no lock, and a shutdown under a wait is left to chance."""
+    import ray._private.worker as ray_worker
+
+    return getattr(ray_worker, "_connect_or_shutdown_lock", None) or contextlib.nullcontext()
 
 
 class RayMember:
@@ -132,6 +147,7 @@ class RayLink:
         self._lock = threading.Lock()
         self._closed = False
         self._reader: threading.Thread | None = None
+        self._ray_calls = _ray_shutdown_lock()  # held by each of this link's Ray calls
 
     def watch(self, task: str, waitable) -> None:
         """Follows a member's stream (working members) or pending serve call (TF servers)."""
@@ -142,31 +158,38 @@ class RayLink:
             self._reader.start()
 
     def _read_loop(self) -> None:
-        ray = self.ray
         while not self._closed:
             with self._lock:
                 watched = list(self._watched)
             if not watched:  # (before start(), and after every member has left)
                 time.sleep(WAIT_SECONDS)
                 continue
-            if not ray.is_initialized():
-                # ray.shutdown() (the user's, a test's, the exit's) ended the members with the
-                # connection. No Ray call may follow: with auto-connect on (Ray imported before
-                # the workbench), one would start a new instance, and a wait on the old streams
-                # then fails a check in Ray's C++ core, which aborts this whole process.
-                for waitable in watched:
-                    self._lost(waitable, SystemExit("Ray was shut down"))
-                return
-            try:
-                ready, _ = ray.wait(watched, num_returns=1, timeout=WAIT_SECONDS)
-            # SystemExit: ray.shutdown() under a waiting call (Ray raises it in this thread); the
-            # members went with the connection.
-            except (Exception, SystemExit) as error:  # noqa: BLE001
-                for waitable in watched:
-                    self._lost(waitable, error)
-                return
-            for waitable in ready:
-                self._take(waitable)
+            with self._ray_calls:  # (a ray.shutdown() waits for this wait; none starts in one)
+                if not self._wait_once(watched):
+                    return
+            time.sleep(LOCK_GAP_SECONDS)
+
+    def _wait_once(self, watched: list) -> bool:
+        """One ray.wait on the members' streams and calls, and what came; False once Ray is gone."""
+        ray = self.ray
+        if not ray.is_initialized():
+            # ray.shutdown() (the user's, a test's, the exit's) ended the members with the
+            # connection. No Ray call may follow: with auto-connect on (Ray imported before
+            # the workbench), one would start a new instance.
+            for waitable in watched:
+                self._lost(waitable, SystemExit("Ray was shut down"))
+            return False
+        try:
+            ready, _ = ray.wait(watched, num_returns=1, timeout=WAIT_SECONDS)
+        # SystemExit: Ray raises it in a waiting thread when the connection goes (a Ray without
+        # the lock above); the members went with the connection.
+        except (Exception, SystemExit) as error:  # noqa: BLE001
+            for waitable in watched:
+                self._lost(waitable, error)
+            return False
+        for waitable in ready:
+            self._take(waitable)
+        return True
 
     def _take(self, waitable) -> None:
         ray, task = self.ray, self._watched.get(waitable)
@@ -216,15 +239,18 @@ class RayLink:
 
     def send(self, task: str, message: dict, timeout: float = SEND_TIMEOUT) -> bool:
         member = self.members.get(task)
-        if member is None or member.dead or not self.ray.is_initialized():
+        if member is None or member.dead:
             return False
         if message.get("type") == "work":
             self.current_run = message.get("run")
-        try:  # waited for: messages to one member arrive in the order sent
-            self.ray.get(member.actor.deliver.remote(message), timeout=timeout)
-            return True
-        except Exception:  # noqa: BLE001 - a dead or frozen member; its stream says so
-            return False
+        with self._ray_calls:
+            if not self.ray.is_initialized():
+                return False
+            try:  # waited for: messages to one member arrive in the order sent
+                self.ray.get(member.actor.deliver.remote(message), timeout=timeout)
+                return True
+            except Exception:  # noqa: BLE001 - a dead or frozen member; its stream says so
+                return False
 
     def broadcast(self, message: dict, timeout: float = SEND_TIMEOUT) -> None:
         """Sends to every working member at once; waits up to `timeout` for all of them."""
@@ -232,17 +258,18 @@ class RayLink:
 
     def tell(self, tasks: list[str], message: dict, timeout: float) -> None:
         """Sends `message` to `tasks` at once and waits up to `timeout` for them all."""
-        if not self.ray.is_initialized():
-            return
-        calls = []
-        for task in tasks:
-            member = self.members.get(task)
-            if member is not None and not member.dead:
+        with self._ray_calls:
+            if not self.ray.is_initialized():
+                return
+            calls = []
+            for task in tasks:
+                member = self.members.get(task)
+                if member is not None and not member.dead:
+                    with contextlib.suppress(Exception):
+                        calls.append(member.actor.deliver.remote(message))
+            if calls:
                 with contextlib.suppress(Exception):
-                    calls.append(member.actor.deliver.remote(message))
-        if calls:
-            with contextlib.suppress(Exception):
-                self.ray.wait(calls, num_returns=len(calls), timeout=timeout)
+                    self.ray.wait(calls, num_returns=len(calls), timeout=timeout)
 
     def close(self) -> None:
         """Stops reading; returns once the reader is out of Ray (a ray.shutdown() may follow)."""
