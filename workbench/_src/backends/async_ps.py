@@ -284,6 +284,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         # (Not coordinator._cluster.stop(): it waits forever for a dead worker's handler.)
         self._programs.clear()
         self._created_variables.clear()
+        self._setup_runs.clear()  # (their functions hold the model)
         self._strategy, self.coordinator = None, None
         gc.collect()
         if self.servers is not None:

@@ -137,6 +137,7 @@ class ProcessBackend(Replicator):
         Variables on parameter servers are freed there when their last handle here goes."""
         self._programs.clear()
         self._created_variables.clear()
+        self._setup_runs.clear()  # (their functions hold the model)
         keras = sys.modules.get("keras")
         if keras is not None:
             keras.backend.clear_session(free_memory=False)  # layer names, graph, kernel caches

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Literal
 
-from workbench._src.core import cells, primitives, run_loop
+from workbench._src.core import cells, primitives, reaper, run_loop
 from workbench._src.core.checkpoints import Saver, named_items, restore_latest
 from workbench._src.core.errors import ConfigurationError, ReplicaContextError
 from workbench._src.core.inputs import InputReplication
@@ -62,6 +62,7 @@ class Replicator:
         self._programs: dict = {}
         self._created_variables: list = []
         self._in_context = False  # context() is re-entrant: variables are recorded once
+        self._setup_runs: list[_SetupRun] = []  # forgotten once ended, at the next setup= run
 
     # ----- what a backend provides -------------------------------------------------------
     @classmethod
@@ -251,6 +252,8 @@ class Replicator:
         self._check_train_arguments(step_fn, input_fn, setup)
         first_variable = len(self._created_variables)
         if setup is not None:
+            self._forget_ended_setup_runs()
+            earlier = {id(v) for v in self._created_variables}  # (the list holds them: ids stay theirs)
             with self.context():
                 step_fn, input_fn = cells.functions_from_setup(setup(self))
         opts = options_from(steps, options)
@@ -271,7 +274,35 @@ class Replicator:
                 resume=opts.resume,
                 write_directory=self._checkpoint_write_directory(opts.checkpoint_dir),
             )
-        return run_loop.train(self, program, self._executor(program), saver, opts)
+        if setup is None:
+            return run_loop.train(self, program, self._executor(program), saver, opts)
+        record = _SetupRun((step_fn, input_fn), self._created_variables, earlier)
+        self._setup_runs.append(record)
+        try:
+            run = run_loop.train(self, program, self._executor(program), saver, opts)
+        except BaseException:  # (failed, or interrupted in the foreground: it has ended)
+            record.ended()
+            raise
+        run.subscribe(record.on_event)  # (past events replayed: an end meanwhile is not missed)
+        return run
+
+    def _forget_ended_setup_runs(self) -> None:
+        """Drops the programs and variables of earlier `setup=` runs that have ended. Their
+        functions were made for them, so no later call can name their programs again; kept, every
+        such run's traced graphs, input iterator and weights stayed with the replicator for good
+        (20-40 MiB a run for a digits MLP on mirrored x2). Forgotten when the next one starts, not
+        when it ends: until then its variables are still read (a worker process sends them back
+        to the notebook; `repl._created_variables` holds them for checkpoints). A run still
+        going keeps its own."""
+        ended = [record for record in self._setup_runs if record.own is not None]
+        if not ended:
+            return
+        self._setup_runs = [record for record in self._setup_runs if record.own is None]
+        gone = set().union(*(record.own for record in ended))
+        programs = [self._programs.pop(record.key, None) for record in ended]
+        # (in place: repl.context() appends to this very list object)
+        self._created_variables[:] = [v for v in self._created_variables if id(v) not in gone]
+        reaper.discard_programs([program for program in programs if program is not None])
 
     def _check_train_arguments(self, step_fn, input_fn, setup) -> None:
         if setup is None and (step_fn is None or input_fn is None):
@@ -329,6 +360,25 @@ class Replicator:
     def __repr__(self):
         details = ", ".join(f"{k}={v}" for k, v in self.describe().items() if k != "backend")
         return f"{type(self).__name__}({details})"
+
+
+class _SetupRun:
+    """One `train(setup=...)` run of a replicator: its program's key and, once it has ended, the
+    ids of the variables it made (its setup's, and the optimizer slots its first trace made:
+    those in the replicator's list then that were not there before it)."""
+
+    def __init__(self, key: tuple, variables: list, earlier: set[int]):
+        self.key, self._variables, self._earlier = key, variables, earlier
+        self.own: set[int] | None = None  # known when the run has ended
+
+    def on_event(self, event) -> None:
+        if event.kind == "ended":
+            self.ended()
+
+    def ended(self) -> None:
+        if self.own is None:
+            self.own = {id(v) for v in self._variables} - self._earlier
+            self._variables = None
 
 
 def _replica_primary_device(ctx) -> str:
