@@ -324,8 +324,9 @@ def ray_instance():
     import ray
 
     import workbench as wb
+    from workbench._src.core.owned_folders import pid_alive
     from workbench._src.launch import pool as pools
-    from workbench._src.placements.proc import pid_alive, pids_naming, process_tree
+    from workbench._src.placements.proc import pids_naming, process_tree
 
     assert not ray.is_initialized(), "a Ray connection was left by another test module"
     cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")

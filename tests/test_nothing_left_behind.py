@@ -109,15 +109,18 @@ def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_folder(tmp_pat
             shutil.rmtree(private, ignore_errors=True)
 
 
-# A launcher that made its private folders (a channel's socket folder, a process group's logs)
-# and is then killed: no exit hook runs, and the children that would have removed them are gone.
+# A launcher that made its private folders (a channel's socket folder, a process group's logs, a
+# healing run's checkpoint folder: max_restarts without checkpoint_dir) and is then killed: no
+# exit hook runs, and the children that would have removed them are gone.
 KILLED_LAUNCHER = """
 import time
+from workbench._src.launch.heal import Healing
 from workbench._src.placements.local.processes import ProcessGroup
 from workbench._src.placements.proc import socket_folder
 
 group = ProcessGroup("killed", private_network=False)
-print(socket_folder("workbench-channel-"), group.log_dir, flush=True)
+healing = Healing(None, type("Options", (), {"max_restarts": 1})(), {})
+print(socket_folder("workbench-channel-"), group.log_dir, healing.scratch, flush=True)
 time.sleep(600)
 """
 
@@ -130,7 +133,7 @@ def test_a_killed_launchers_folders_go_at_the_next_start(monkeypatch):
             [sys.executable, "-c", KILLED_LAUNCHER], env=env, stdout=subprocess.PIPE, text=True
         )
         folders = launcher.stdout.readline().split()
-        assert len(folders) == 2 and all(Path(f).parent == private for f in folders), folders
+        assert len(folders) == 3 and all(Path(f).parent == private for f in folders), folders
         assert all(os.path.basename(f).split("-")[2] == str(launcher.pid) for f in folders), folders
         launcher.kill()
         launcher.wait(10)

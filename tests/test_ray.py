@@ -345,7 +345,7 @@ def test_a_killed_kernels_ray_temp_root_is_removed_by_the_next_local_instance(tm
     instance's temp root stays. The next process that starts one removes the roots of owners that
     are gone, and only those (the same rule removes a killed launcher's channel, fork-server and
     log folders: placements/proc.owned_folder)."""
-    from workbench._src.placements.proc import owned_folder
+    from workbench._src.core.owned_folders import owned_folder
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

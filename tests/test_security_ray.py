@@ -39,8 +39,9 @@ def ray_local():
     pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
     import ray
 
+    from workbench._src.core.owned_folders import pid_alive
     from workbench._src.launch import pool as pools
-    from workbench._src.placements.proc import pid_alive, pids_naming, process_tree
+    from workbench._src.placements.proc import pids_naming, process_tree
 
     assert not ray.is_initialized(), "a Ray connection was left by another test module"
     if os.geteuid() != 0:

@@ -17,19 +17,20 @@ With `min_workers`, a new pool the cluster has no room for is launched with fewe
 (launch/elastic.py); the heal's record then says how many it went on with.
 
 Without checkpoint_dir, a temporary folder holds the checkpoints and is removed when the run
-ends; without checkpoint_every, the run saves every HEAL_CHECKPOINT_EVERY steps (and at its
-start, so a member lost before the first periodic save resumes from the start, not from
-whatever the cell builds again).
+ends (or, if this process was killed, by the next process that makes such a folder); without
+checkpoint_every, the run saves every HEAL_CHECKPOINT_EVERY steps (and at its start, so a member
+lost before the first periodic save resumes from the start, not from whatever the cell builds
+again).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import tempfile
 import time
 
 from workbench._src.core.errors import WorkerError
+from workbench._src.core.owned_folders import owned_folder
 from workbench._src.core.run_stats import heal_line
 
 # How often a healing run saves when checkpoint_every is not given: a lost member costs at most
@@ -51,7 +52,8 @@ class Healing:
         self.options = dict(worker_options)
         if self.left:
             if not self.options.get("checkpoint_dir"):
-                self.scratch = tempfile.mkdtemp(prefix="workbench-heal-")
+                # (named after this process: a killed launcher's goes at the next start of one)
+                self.scratch = owned_folder("workbench-heal-")
                 self.options["checkpoint_dir"] = self.scratch
             self.options["checkpoint_every"] = self.options.get("checkpoint_every") or HEAL_CHECKPOINT_EVERY
         self.elastic = None  # an elastic run's worker counts (launch/elastic.py), set by the launcher

@@ -1,10 +1,12 @@
-"""What the launch modules ask of this machine's processes and temp folder (/proc, a short path
-for a Unix socket). A leaf: it imports nothing of ours, so every launch module may use it."""
+"""What the placements ask of this machine's processes and temp folder (/proc, a short path for
+a Unix socket). It imports only core's owned folders (core/owned_folders.py)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+
+from workbench._src.core.owned_folders import owned_folder, pid_alive
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -84,12 +86,6 @@ def boot_id() -> str | None:
         return None
 
 
-def pid_alive(pid: int) -> bool:
-    """pid runs (a zombie, dead but not yet reaped by its parent, does not count)."""
-    fields = _stat_fields(pid)
-    return bool(fields) and fields[0] != "Z"
-
-
 def same_process_running(pid: int, started: int | None) -> bool:
     """The process that had `pid` and started at `started` (process_start_ticks) still runs: not
     ended, not a zombie, and its pid not handed to another process since."""
@@ -117,50 +113,6 @@ def socket_folder(prefix: str) -> str:
     limit of a Unix socket address."""
     base = tempfile.gettempdir() if len(tempfile.gettempdir()) < 60 else "/tmp"
     return owned_folder(prefix, base)
-
-
-# The private folders a process of ours makes in the temp folder, each named `<prefix><pid>-*`.
-OWNED_PREFIXES = ("workbench-channel-", "workbench-cluster-", "workbench-fork-server-", "wbray-")
-
-
-def remove_folders_of_dead_owners(base: str) -> list[str]:
-    """Removes the folders `<prefix><pid>-*` (OWNED_PREFIXES) in `base` whose owner (that pid) is
-    gone and that this user owns: a process killed by a signal runs no clean-up, and its private
-    folders (sockets, logs, a Ray instance's root) would stay for good. A folder whose pid runs
-    again (reused by another process) is left alone: wrongly kept beats wrongly removed. Returns
-    the names removed."""
-    import re
-    import shutil
-
-    pattern = re.compile("(?:" + "|".join(map(re.escape, OWNED_PREFIXES)) + r")(\d+)-\w+")
-    removed = []
-    try:
-        entries = os.listdir(base)
-    except OSError:
-        return removed
-    for entry in entries:
-        found = pattern.fullmatch(entry)
-        if found is None or int(found.group(1)) == os.getpid() or pid_alive(int(found.group(1))):
-            continue
-        path = os.path.join(base, entry)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(entry)
-    return removed
-
-
-def owned_folder(prefix: str, base: str | None = None) -> str:
-    """A new private folder (mkdtemp: 0700) named `<prefix><our pid>-*` in `base` (the temp folder
-    by default), after removing the folders there of owners that are gone: a killed process's
-    folders go at the next start of any process of this user (a listing and a /proc read each)."""
-    assert prefix in OWNED_PREFIXES, prefix
-    base = base or tempfile.gettempdir()
-    remove_folders_of_dead_owners(base)
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
 
 
 def process_tree(roots: list[int]) -> list[tuple[int, int]]:

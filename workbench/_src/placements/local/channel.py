@@ -23,6 +23,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
 
+from workbench._src.core.owned_folders import pid_alive
 from workbench._src.placements.local.processes import (
     KEEP_LOGS_ENV,
     LAUNCHER_PID_ENV,
@@ -31,7 +32,7 @@ from workbench._src.placements.local.processes import (
     ProcessGroup,
     remove_own_tmp_dir,
 )
-from workbench._src.placements.proc import pid_alive, socket_folder
+from workbench._src.placements.proc import socket_folder
 
 CHANNEL_ENV = "WORKBENCH_CHANNEL"  # path of the parent's Unix socket
 CHANNEL_KEY_ENV = "WORKBENCH_CHANNEL_KEY"  # hex key; in the environment, never on the command line

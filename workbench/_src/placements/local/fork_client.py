@@ -22,6 +22,7 @@ import weakref
 
 from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
+from workbench._src.core.owned_folders import pid_alive
 from workbench._src.launch.start_progress import StartDeadline
 from workbench._src.placements.local.fork_server import (
     _MAX_MESSAGE,
@@ -29,7 +30,7 @@ from workbench._src.placements.local.fork_server import (
     FORKED_MODULES,
     import_time_environment,
 )
-from workbench._src.placements.proc import pid_alive, process_cpu_seconds, process_cpu_wait, socket_folder
+from workbench._src.placements.proc import process_cpu_seconds, process_cpu_wait, socket_folder
 
 # How long this process waits for its fork server's own import (TensorFlow's) before it starts
 # its processes without one, once the import stops making progress (launch/start_progress.py:

@@ -40,9 +40,10 @@ from pathlib import Path
 
 from workbench._src.core import exit as process_exit
 from workbench._src.core import tf_setup
+from workbench._src.core.owned_folders import owned_folder
 from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
-from workbench._src.placements.proc import owned_folder, processes_cpu_seconds, processes_cpu_wait
+from workbench._src.placements.proc import processes_cpu_seconds, processes_cpu_wait
 
 LOOPBACK = "127.0.0.1"
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind

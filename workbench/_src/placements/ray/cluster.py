@@ -21,8 +21,9 @@ import threading
 import time
 
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.owned_folders import owned_folder
 from workbench._src.launch.start_progress import say
-from workbench._src.placements.proc import end_processes, owned_folder, pids_naming, process_tree
+from workbench._src.placements.proc import end_processes, pids_naming, process_tree
 
 PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}
 # The logical CPUs of a local Ray instance (address=None), at least: it stands for this machine,

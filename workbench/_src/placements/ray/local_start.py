@@ -34,8 +34,9 @@ import time
 
 from workbench._src.compat import ray_connect_state_accessor, ray_start_internals
 from workbench._src.core.errors import ConfigurationError
+from workbench._src.core.owned_folders import pid_alive
 from workbench._src.launch.start_progress import Phases, say
-from workbench._src.placements.proc import pid_alive, pids_naming, process_cpu_seconds
+from workbench._src.placements.proc import pids_naming, process_cpu_seconds
 from workbench._src.placements.ray.instance_owner import InstanceOwner
 
 # How long the processes of a starting instance may all get no CPU time before its start is given
