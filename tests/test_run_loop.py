@@ -234,6 +234,38 @@ def test_an_ended_setup_run_is_forgotten_by_the_replicator_when_the_next_one_sta
     assert [ref() is None for ref in built] == [True, True, False]  # the last run's, until the next
 
 
+def test_the_gradient_functions_a_setup_runs_traces_registered_go_with_it():
+    # ReplicaContext.all_reduce (wrap_optimizer's, on the gradients) is a tf.custom_gradient: each
+    # trace registers a gradient function for good in TensorFlow's global registry, holding its
+    # graph (compat.custom_gradient_names). A forgotten setup= run takes its own out again.
+    import keras
+
+    from workbench._src import compat
+
+    repl = wb.replicator("mirrored", num_replicas=2)
+    x = np.ones((64, 4), "float32")
+
+    def setup(repl):
+        w = tf.Variable(tf.ones((4, 1)))
+        optimizer = repl.wrap_optimizer(keras.optimizers.SGD(0.1))
+
+        def step_fn(b):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(b @ w)
+            optimizer.apply_gradients([(tape.gradient(loss, w), w)])
+            return {"loss": loss}
+
+        return step_fn, lambda ctx: tf.data.Dataset.from_tensor_slices(x).repeat().batch(16)
+
+    before = compat.custom_gradient_names()
+    registered = []
+    for _ in range(3):
+        repl.train(setup=setup, steps=3)
+        registered.append(compat.custom_gradient_names() - before)
+    assert registered[0] and not registered[0] & registered[2]  # the first run's are gone
+    assert len(registered[2]) == len(registered[1])  # one run's worth, not one more each run
+
+
 def test_interrupted_run_writes_its_checkpoint(tmp_path):
     repl = wb.replicator("single")
     model, opt, step_fn, input_fn = _model_step(repl)

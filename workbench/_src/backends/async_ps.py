@@ -282,9 +282,9 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         # Drop what refers to the remote functions and variables while the servers still
         # answer, so TensorFlow's clean-up does not flood the log with connection errors.
         # (Not coordinator._cluster.stop(): it waits forever for a dead worker's handler.)
+        self._forget_setup_runs()  # (their functions hold the model; their gradients its graphs)
         self._programs.clear()
         self._created_variables.clear()
-        self._setup_runs.clear()  # (their functions hold the model)
         self._strategy, self.coordinator = None, None
         gc.collect()
         if self.servers is not None:

@@ -135,9 +135,9 @@ class ProcessBackend(Replicator):
         their input iterators, the variables it recorded, Keras's global state) so memory stays
         flat run after run. The strategy, its cluster and the servers are kept: that is the pool.
         Variables on parameter servers are freed there when their last handle here goes."""
+        self._forget_setup_runs()  # (their functions hold the model; their gradients its graphs)
         self._programs.clear()
         self._created_variables.clear()
-        self._setup_runs.clear()  # (their functions hold the model)
         keras = sys.modules.get("keras")
         if keras is not None:
             keras.backend.clear_session(free_memory=False)  # layer names, graph, kernel caches

@@ -20,6 +20,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Literal
 
+from workbench._src import compat
 from workbench._src.core import cells, primitives, reaper, run_loop
 from workbench._src.core.checkpoints import Saver, named_items, restore_latest
 from workbench._src.core.errors import ConfigurationError, ReplicaContextError
@@ -254,6 +255,7 @@ class Replicator:
         if setup is not None:
             self._forget_ended_setup_runs()
             earlier = {id(v) for v in self._created_variables}  # (the list holds them: ids stay theirs)
+            gradients = compat.custom_gradient_names()
             with self.context():
                 step_fn, input_fn = cells.functions_from_setup(setup(self))
         opts = options_from(steps, options)
@@ -276,7 +278,7 @@ class Replicator:
             )
         if setup is None:
             return run_loop.train(self, program, self._executor(program), saver, opts)
-        record = _SetupRun((step_fn, input_fn), self._created_variables, earlier)
+        record = _SetupRun((step_fn, input_fn), self._created_variables, earlier, gradients)
         self._setup_runs.append(record)
         try:
             run = run_loop.train(self, program, self._executor(program), saver, opts)
@@ -303,6 +305,14 @@ class Replicator:
         # (in place: repl.context() appends to this very list object)
         self._created_variables[:] = [v for v in self._created_variables if id(v) not in gone]
         reaper.discard_programs([program for program in programs if program is not None])
+        # The gradient functions its traces registered for good hold its graphs (compat.py).
+        compat.forget_custom_gradients(set().union(*(record.gradients for record in ended)))
+
+    def _forget_setup_runs(self) -> None:
+        """Between two runs of a warm pool (release_run_state): every setup= run has ended."""
+        for record in self._setup_runs:
+            record.ended()
+        self._forget_ended_setup_runs()
 
     def _check_train_arguments(self, step_fn, input_fn, setup) -> None:
         if setup is None and (step_fn is None or input_fn is None):
@@ -365,11 +375,13 @@ class Replicator:
 class _SetupRun:
     """One `train(setup=...)` run of a replicator: its program's key and, once it has ended, the
     ids of the variables it made (its setup's, and the optimizer slots its first trace made:
-    those in the replicator's list then that were not there before it)."""
+    those in the replicator's list then that were not there before it) and the names of the
+    gradient functions its traces registered (compat.custom_gradient_names)."""
 
-    def __init__(self, key: tuple, variables: list, earlier: set[int]):
-        self.key, self._variables, self._earlier = key, variables, earlier
+    def __init__(self, key: tuple, variables: list, earlier: set[int], gradients: set[str]):
+        self.key, self._variables, self._earlier, self._gradients = key, variables, earlier, gradients
         self.own: set[int] | None = None  # known when the run has ended
+        self.gradients: set[str] = set()
 
     def on_event(self, event) -> None:
         if event.kind == "ended":
@@ -378,7 +390,8 @@ class _SetupRun:
     def ended(self) -> None:
         if self.own is None:
             self.own = {id(v) for v in self._variables} - self._earlier
-            self._variables = None
+            self.gradients = compat.custom_gradient_names() - self._gradients
+            self._variables = self._gradients = None
 
 
 def _replica_primary_device(ctx) -> str:
