@@ -111,6 +111,10 @@ def test_background_run_stops_at_a_step_boundary():
 def test_ctrl_c_stops_the_run_and_returns_it():
     repl = wb.replicator("mirrored", num_replicas=2)
     sent = []
+    # What SIGINT did before the run (Python's KeyboardInterrupt, or SIG_IGN when an earlier test
+    # of this worker process left it so: one suite run did): the run's handler replaces it, then
+    # puts it back.
+    before = signal.getsignal(signal.SIGINT)
 
     def ctrl_c_once_training(event):
         # A real SIGINT, once steps are being recorded. (A timer started before `train` raced
@@ -127,7 +131,7 @@ def test_ctrl_c_stops_the_run_and_returns_it():
     assert run.status == "stopped" and run.steps > 0
     assert run.stop_reason == f"interrupted at step {run.steps}"
     assert list(run.history["v"]) == list(range(run.steps))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    assert signal.getsignal(signal.SIGINT) is before  # handler restored
 
 
 def _model_step(repl, lr=0.1):
