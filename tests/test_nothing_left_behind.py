@@ -89,11 +89,25 @@ def test_a_failed_workbench_run_leaves_its_tmpdir_empty(tmp_path):
     assert leftovers(private) == [], f"left in TMPDIR: {leftovers(private)[:10]}"
 
 
-def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_folder(tmp_path):
+def processes_naming(folder: Path) -> list[int]:
+    """The processes whose command line names `folder` (ours: it is a new private one)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and str(folder).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_behind(tmp_path):
     # `workbench run` starts its fork server first; a file that does not compile ends the command
     # a moment later. The fork server's start was on a thread of its own, and 3 exits in 5 left its
-    # folder half made. (A short private TMPDIR: under a long one, as tmp_path is, the fork
-    # server's socket folder goes to /tmp, where a Unix socket's path fits, and is not seen here.)
+    # folder half made; later a file of Python's first look for the temp folder was seen there
+    # (the fork server, still importing, had just made it). (A short private TMPDIR: under a long
+    # one, as tmp_path is, the fork server's socket folder goes to /tmp, where a Unix socket's path
+    # fits, and is not seen here.)
     (tmp_path / "broken.py").write_text("def input_fn(ctx)\n    pass\n")
     for attempt in range(5):
         private = Path(tempfile.mkdtemp(prefix="wb-", dir="/tmp"))
@@ -105,6 +119,9 @@ def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_folder(tmp_pat
             )  # fmt: skip
             assert done.returncode == 1 and "SyntaxError: expected ':'" in done.stderr, done.stderr[-3000:]
             assert leftovers(private) == [], f"left in TMPDIR after exit {attempt + 1}: {leftovers(private)}"
+            # Nor its fork server, which was still importing: it would never serve, its folder
+            # gone, and seconds of CPU went to its import after the command had ended.
+            assert processes_naming(private) == [], f"running after exit {attempt + 1}"
         finally:
             shutil.rmtree(private, ignore_errors=True)
 

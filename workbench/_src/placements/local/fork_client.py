@@ -112,6 +112,13 @@ class _Server:
 def _end_server(popen, folder: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         popen.stdin.close()
+    if not os.path.exists(os.path.join(folder, "fork.sock")):
+        # Still importing (a script that failed at once): it would read its stdin's EOF only
+        # once it serves, seconds of CPU from now, for nothing. It has no children yet, and its
+        # temp files are in its folder (fork_server._serve): ended now, it leaves nothing.
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            popen.kill()
+            popen.wait(5)  # (not left a zombie when this runs before our exit)
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)

@@ -81,6 +81,11 @@ def import_time_environment(env) -> str:
 
 def _serve(path: str) -> None:
     os.environ.pop(FORK_SERVER_ENV, None)
+    # Our own temp files (stderr held while TensorFlow imports) go in our folder, which goes with
+    # us. Left to find the temp folder itself, Python's first gettempdir() probes TMPDIR by making
+    # and removing a file there, and a launcher that exits while we still import (a script that
+    # fails at once) may find that file in its TMPDIR as it checks, or keep it if we are killed.
+    tempfile.tempdir = os.path.dirname(path)
     environment = import_time_environment(os.environ)
     _preload()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
