@@ -63,9 +63,13 @@ def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on(placement)
             for p in run.processes
             if p["role"] == "worker" and p["index"] == 1 and p["pid"] != killed
         )
-        cpu_at_join, rows_at_join = process_cpu_seconds(new), run.steps
+        survivor = process_pid(run, "worker", 0)
+        # (TensorFlow's coordinator takes a moment to give it chunks again: measured past that)
+        wait_for_steps(run, run.steps + 100)
+        cpu_at_join = {pid: process_cpu_seconds(pid) for pid in (new, survivor)}
+        rows_at_join = run.steps
         _wait_until(lambda: run.steps >= rows_at_join + 300, run)
-        cpu_later = process_cpu_seconds(new)
+        cpu_spent = {pid: process_cpu_seconds(pid) - cpu_at_join[pid] for pid in (new, survivor)}
     finally:
         run.stop()
         run.wait(timeout=60)
@@ -96,8 +100,10 @@ def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on(placement)
     assert any(f"worker 1 lost ({cause})" in t and "replaced at step" in t for t in texts), texts
     restart_events = [e for e in run.events if e.kind == "restart"]
     assert len(restart_events) == 1 and restart_events[0].data["run_step"] >= heal["lost_at"]
-    # The new server trains: it spent CPU time on the run's steps after it joined.
-    assert cpu_later - cpu_at_join > 0.05, (cpu_at_join, cpu_later)
+    # The new server trains: over the same 300 steps it spent a fair part of the CPU time that the
+    # surviving worker spent (0.7-1.2 of it, measured; a ratio, which a loaded machine does not
+    # move as it moves seconds: the absolute 0.05 s this replaced once saw 0.04 under -n 2).
+    assert cpu_spent[new] > 0.25 * cpu_spent[survivor] > 0, (new, survivor, cpu_spent)
     assert run.executed_steps >= run.steps  # at-least-once: the lost chunks ran again
     # The pool is whole again, so the next run finds it warm: the same coordinator, the new worker.
     again = repl.train(setup=regression_setup, steps=20)
