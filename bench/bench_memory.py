@@ -9,12 +9,22 @@ last, the RSS of every process of the pool is read (psutil, by the pids the run 
 actor on this machine is a process here too). Printed, per process: RSS after run 10 and after
 the last, and the growth between them (issue 39's goal: within 5%). The anchor is the pool's own
 10th run, so start-up and the first traces are not counted as growth.
+
+The async-ps parameter server also gets a second anchor: a bare ParameterServerStrategy cluster
+(TensorFlow alone, no workbench code: a ps and two worker servers, this bench's child as the
+coordinator) trains the same model the same number of runs, one traced step per run. Printed:
+MiB each parameter server gains per run (between renewals for the pool's) and their ratio, so
+what TensorFlow itself keeps is told apart from what the workbench adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
+import subprocess
+import sys
 
 import psutil
 
@@ -71,6 +81,8 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
     )
     seen: dict[int, dict[str, float]] = {}
     pids, renewed = None, []
+    ps_gains = []  # MiB the parameter server gained over each run after the 10th (same process)
+    ps_before = None
     try:
         for n in range(1, runs + 1):
             run = repl.train(setup=digits_setup, steps=20)
@@ -78,9 +90,15 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
             now = sorted(p["pid"] for p in run.processes)
             if pids not in (None, now):
                 renewed.append(n)  # launch/pool.py MEMORY_GROWTH_LIMIT: new processes
+                ps_before = None
             pids = now
+            rss = rss_by_process(run)
             if n in CHECKPOINTS or n == runs:
-                seen[n] = rss_by_process(run)
+                seen[n] = rss
+            if "ps 0" in rss:
+                if ps_before is not None and n > CHECKPOINTS[0]:
+                    ps_gains.append(rss["ps 0"] - ps_before)
+                ps_before = rss["ps 0"]
     finally:
         repl.shutdown()
     where = f" on {cluster}" if cluster else ""
@@ -93,6 +111,106 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
         values = [seen[n].get(name, float("nan")) for n in marks]
         growth = 100 * (values[-1] / values[0] - 1)
         print(f"  {name:<14} {' '.join(f'{v:7.1f}' for v in values)}   {growth:+5.1f}%  (goal within 5%)")
+    if ps_gains:
+        ours = sum(ps_gains) / len(ps_gains)
+        bare = bare_tensorflow_ps_gain(runs)
+        print(
+            f"  parameter server, MiB gained per run after run 10: the pool's {ours:.2f}; "
+            f"a bare ParameterServerStrategy cluster's {bare:.2f} (one traced step a run); "
+            f"ratio {ours / bare:.1f}x"
+        )
+
+
+def bare_tensorflow_ps_gain(runs: int) -> float:
+    """MiB per run a bare TensorFlow parameter server gains between its 10th and last run (in a
+    child process: connecting to a cluster rewires TensorFlow's context for good)."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--bare-ps-child", str(runs)],
+        capture_output=True, text=True, check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )  # fmt: skip
+    rss = json.loads(done.stdout.strip().splitlines()[-1])
+    return (rss[-1] - rss[CHECKPOINTS[0] - 1]) / (runs - CHECKPOINTS[0])
+
+
+BARE_SERVER = """
+import json, sys
+import tensorflow as tf
+cluster, job, index = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, start=True)
+print("up", flush=True)
+server.join()
+"""
+
+
+def bare_ps_child(runs: int) -> None:
+    """The anchor: a ps and two worker servers of TensorFlow's own, this process their
+    coordinator; the digits model trained `runs` times, 20 steps each, a new model and a new
+    tf.function a run, as a warm pool's runs are. Prints the server's RSS after each run."""
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    cluster = {"ps": [f"127.0.0.1:{free_port()}"], "chief": [f"127.0.0.1:{free_port()}"]}
+    cluster["worker"] = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    tasks = [("ps", 0), ("worker", 0), ("worker", 1)]
+    servers = [
+        subprocess.Popen(
+            [sys.executable, "-c", BARE_SERVER, json.dumps(cluster), job, str(index)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for job, index in tasks
+    ]
+    try:
+        for server in servers:
+            server.stdout.readline()
+        import gc
+
+        import keras
+        import tensorflow as tf
+
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+        strategy = tf.distribute.ParameterServerStrategy(resolver)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        ps = psutil.Process(servers[0].pid)
+        rss = []
+        for _ in range(runs):
+            with strategy.scope():
+                step_fn, input_fn = digits_setup(strategy_free())
+            dataset = coordinator.create_per_worker_dataset(lambda: input_fn(None))
+            iterator = iter(dataset)
+
+            step = make_step(tf, strategy, step_fn)
+            for _ in range(20):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+            del step, step_fn, input_fn, dataset, iterator
+            keras.backend.clear_session(free_memory=False)
+            gc.collect()
+            rss.append(ps.memory_info().rss / 2**20)
+        print(json.dumps(rss), flush=True)
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
+
+
+def make_step(tf, strategy, step_fn):
+    """A new tf.function for this run's step, as the hand-written coordinator loop has."""
+
+    @tf.function
+    def step(iterator):
+        return strategy.run(step_fn, args=next(iterator))
+
+    return step
+
+
+def strategy_free():
+    """digits_setup's `repl` for the bare anchor: TensorFlow's optimizer as it is."""
+    return type("Bare", (), {"wrap_optimizer": staticmethod(lambda optimizer: optimizer)})()
 
 
 def main() -> None:
@@ -100,7 +218,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--backends", default="multi-worker,async-ps")
     parser.add_argument("--cluster", help="place the pools on Ray: ray, ray=ADDRESS or ray=local")
+    parser.add_argument("--bare-ps-child", type=int, help=argparse.SUPPRESS)  # (the anchor's process)
     args = parser.parse_args()
+    if args.bare_ps_child:
+        bare_ps_child(args.bare_ps_child)
+        return
     if args.runs <= CHECKPOINTS[0]:
         parser.error(
             f"--runs must be more than {CHECKPOINTS[0]} (the anchor is run 10); received {args.runs}"
