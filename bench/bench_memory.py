@@ -20,6 +20,7 @@ what TensorFlow itself keeps is told apart from what the workbench adds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -158,7 +159,8 @@ def bare_ps_child(runs: int) -> None:
     servers = [
         subprocess.Popen(
             [sys.executable, "-c", BARE_SERVER, json.dumps(cluster), job, str(index)],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for job, index in tasks
     ]
@@ -180,7 +182,7 @@ def bare_ps_child(runs: int) -> None:
         for _ in range(runs):
             with strategy.scope():
                 step_fn, input_fn = digits_setup(strategy_free())
-            dataset = coordinator.create_per_worker_dataset(lambda: input_fn(None))
+            dataset = coordinator.create_per_worker_dataset(functools.partial(input_fn, None))
             iterator = iter(dataset)
 
             step = make_step(tf, strategy, step_fn)
