@@ -1,8 +1,9 @@
 """run.breakdown() under async-ps: where a worker's step goes when variables live on parameter
 servers.
 
-The chunks scheduled on the workers read the clock as every fused loop does (step_clock.py), so
-input, the step and the loop's own time are measured on the worker that ran them. What differs
+Every chunk scheduled on the workers reads the clock (step_clock.py; every one, not a sample: see
+CoordinatorExecutor.submit), so input, the step and the loop's own time are measured on the
+worker that ran them. What differs
 is communication: no collective runs (each worker applies its own gradient); the traffic is the
 step's reads of every variable from the parameter servers and the write of its update. Those
 reads and writes sit inside the step's ops, so they are timed as a sub-program: a function
@@ -31,9 +32,6 @@ class AsyncBreakdown:
         self.program = program
         self.recorder = BreakdownRecorder(run, worker=0)
         self.traffic: float | None = None  # seconds per step moving variables to and from the ps
-
-    def wants_sample(self) -> bool:
-        return self.recorder.wants_sample()
 
     def chunk(self, steps: int, marks, first_run: bool) -> None:
         """A chunk came back: its clock readings (None when untimed); `first_run`: the timed

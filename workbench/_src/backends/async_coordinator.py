@@ -139,8 +139,13 @@ class CoordinatorExecutor:
         return k, stop
 
     def submit(self, k: int):
-        # A sample of chunks reads the clock (never the first: it traces); see async_breakdown.py.
-        timed = bool(self.breakdown and self.program.fused_traced and self.breakdown.wants_sample())
+        # With the breakdown on, every chunk reads the clock (async_breakdown.py), not a sample as
+        # elsewhere: one variant of the loop, traced once a run. An untimed variant beside it was
+        # a second function on every parameter server, which keeps its part of each function for
+        # the life of the process (decision 19: 2 MiB a run for a small MLP), and a second trace
+        # in every run; the readings cost microseconds a step against the milliseconds of its
+        # parameter-server traffic. The first chunk traces: not a step's time.
+        timed = self.breakdown is not None
         first_run = timed and timed not in self.program.traced_variants
         return self.program.schedule(k, timed), time.monotonic(), (timed, first_run)
 
