@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from helpers import placement_under_test, process_pid, regression_setup, wait_for_steps
+from helpers import RUN_WAIT, placement_under_test, process_pid, regression_setup, wait_for_steps
 
 import workbench as wb
 from workbench._src.placements.local import netns
@@ -86,7 +86,9 @@ def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on(placement)
         assert placement.name == "local" and set(workers) == {2}, workers
         dropped = run.restarts[0]["lost_at"]
     else:
-        if placement.name == "local":  # seen by its parent within the chunks in flight (2 per worker of 5 steps)
+        if (
+            placement.name == "local"
+        ):  # seen by its parent within the chunks in flight (2 per worker of 5 steps)
             assert rows_at_kill <= dropped <= rows_at_kill + 4 * 5 * 2, (rows_at_kill, dropped)
         rose = workers.index(2, dropped)
         assert set(workers[dropped:rose]) == {1} and set(workers[rose:]) == {2}
@@ -213,9 +215,11 @@ def test_on_ray_a_worker_whose_address_is_taken_stays_dropped_says_why_and_its_p
         holder = _socket_in_network_of(member.pid)  # (its network: read before the process is gone)
         os.kill(member.pid, signal.SIGKILL)
         _take_port(member.port, holder)  # (before the new actor asks for it: it starts in ~1 s)
-        _wait_until(lambda: any("could not take" in t for t in _messages(run)), run)
+        # (The new actor's start comes first: a Ray worker process importing TensorFlow, more
+        # than 120 s at load 30. Bounded by the run's own rules, as wait_for_steps is.)
+        _wait_until(lambda: any("could not take" in t for t in _messages(run)), run, timeout=RUN_WAIT)
         rows = run.steps
-        _wait_until(lambda: run.steps >= rows + 50, run)  # the other worker goes on
+        _wait_until(lambda: run.steps >= rows + 50, run, timeout=RUN_WAIT)  # the other worker goes on
     finally:
         run.stop()
         run.wait(timeout=60)

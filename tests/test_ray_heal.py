@@ -127,8 +127,10 @@ def test_an_async_ps_worker_whose_node_is_lost_stays_dropped_and_the_run_goes_on
     assert result["named_s"] < 30, result  # (Ray's health check here: dead after ~5 missed 1-s checks)
     assert result["rows_after"] >= 100, result  # the other worker went on
     # ... at once: the chunks in flight on the lost worker are given up once Ray has said it died,
-    # not waited for until worker_timeout (60 s) declares it lost too.
-    assert result["resumed_s"] < 10, result
+    # not waited for until worker_timeout (60 s) declares it lost too. (Seconds on a quiet machine,
+    # the time of the next 10 rows included: 10.9 s at load 30. Half of worker_timeout still tells
+    # the two apart, and a loaded machine does not reach it.)
+    assert result["resumed_s"] < 30, result
     workers = result["workers"]
     assert workers[0] == 2 and workers[-1] == 1, workers
     assert result["restarts"] == [], result["restarts"]
