@@ -272,6 +272,14 @@ def pytest_configure(config):
         path = os.path.join(os.environ[CRASH_DIR_ENV], f"{worker}-pid{os.getpid()}.log")
         _crash_file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - open as long as the worker
         faulthandler.enable(file=_crash_file, all_threads=True)
+        # The worker's temp folder, and that of every process a test starts without one of its
+        # own: in the run's folder, which the controller removes at the end. AutoGraph's files of
+        # a process that ended by os._exit or a signal (a coordinator a test started, a worker
+        # that execnet ended) were left in the machine's /tmp: ~120 a suite run. (tmp_path is
+        # not moved: xdist hands each worker its basetemp.)
+        private = os.path.join(os.environ[CRASH_DIR_ENV], f"tmp-{worker}")
+        os.mkdir(private)
+        os.environ["TMPDIR"] = tempfile.tempdir = private
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -296,7 +304,7 @@ def pytest_terminal_summary(terminalreporter):
     folder = os.environ.get(CRASH_DIR_ENV)
     if os.environ.get("PYTEST_XDIST_WORKER") is not None or not folder or not os.path.isdir(folder):
         return
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(n for n in os.listdir(folder) if n.endswith(".log")):  # (not the tmp-* folders)
         with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
             lines = [line for line in f if not line.startswith("Extension modules:")]
         text = "".join(lines)  # the test, the fatal error, then each thread's stack
