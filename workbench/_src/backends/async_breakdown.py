@@ -2,16 +2,15 @@
 servers.
 
 Every chunk scheduled on the workers reads the clock (step_clock.py; every one, not a sample: see
-CoordinatorExecutor.submit), so input, the step and the loop's own time are measured on the
-worker that ran them. What differs
-is communication: no collective runs (each worker applies its own gradient); the traffic is the
-step's reads of every variable from the parameter servers and the write of its update. Those
-reads and writes sit inside the step's ops, so they are timed as a sub-program: a function
-scheduled on a worker that reads every trainable variable into it (PROBES times, the median),
-and a step's traffic is taken as twice that (the update sends as many bytes back). Compute is
-the rest of the step. One row: the workers' chunks are pooled (the coordinator does not learn
-which worker ran a chunk); the host's own time around chunks is not a worker's, so `other` is
-the loop's time between steps only.
+CoordinatorExecutor.submit), so input, the step and the loop's own time are measured on the worker
+that ran them. What differs is communication: no collective runs (each worker applies its own
+gradient); the traffic is the step's reads of every variable from the parameter servers and the
+write of its update. Those reads and writes sit inside the step's ops, so they are timed as a
+sub-program: a function scheduled on a worker that reads every trainable variable into it (PROBES
+times, the median), and a step's traffic is taken as twice that (the update sends as many bytes
+back). Compute is the rest of the step. One row: the workers' chunks are pooled (the coordinator
+does not learn which worker ran a chunk); the host's own time around chunks is not a worker's, so
+`other` is the loop's time between steps only.
 """
 
 from __future__ import annotations

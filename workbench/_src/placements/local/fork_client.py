@@ -110,9 +110,12 @@ class _Server:
 
 
 def _end_server(popen, folder: str) -> None:
+    # (Asked before its stdin closes: on that EOF a serving server removes its socket itself, and
+    # stays to report its children's exits.)
+    never_served = not os.path.exists(os.path.join(folder, "fork.sock"))
     with contextlib.suppress(OSError, ValueError):
         popen.stdin.close()
-    if not os.path.exists(os.path.join(folder, "fork.sock")):
+    if never_served:
         # Still importing (a script that failed at once): it would read its stdin's EOF only
         # once it serves, seconds of CPU from now, for nothing. It has no children yet, and its
         # temp files are in its folder (fork_server._serve): ended now, it leaves nothing.
