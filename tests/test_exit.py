@@ -97,7 +97,8 @@ def test_a_script_that_trained_exits_promptly_and_cleanly(tmp_path):
     # Python's and TensorFlow's own teardown take 1-3 s here; the old wait for iterators took 20,
     # idle. Counted: the time the exit sat idle, not the time it ran or waited for a CPU, which a
     # loaded machine stretches (13.4 s at load 30).
-    idle = exit_seconds - (busy - at_last_line)
+    # (No first reading: it was gone before it, an exit at once.)
+    idle = exit_seconds - (busy - at_last_line) if at_last_line is not None else 0.0
     print(f"exit: {exit_seconds:.1f} s, {idle:.1f} s of it idle")  # (pytest -rP shows it)
     assert idle < 8, f"{exit_seconds:.1f} s from the script's last line to its exit, {idle:.1f} s of it idle"
     assert "did not finish" not in errors
