@@ -23,7 +23,6 @@ import argparse
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -148,13 +147,10 @@ def bare_ps_child(runs: int) -> None:
     coordinator; the digits model trained `runs` times, 20 steps each, a new model and a new
     tf.function a run, as a warm pool's runs are. Prints the server's RSS after each run."""
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from workbench._src.placements.local.processes import free_ports
 
-    cluster = {"ps": [f"127.0.0.1:{free_port()}"], "chief": [f"127.0.0.1:{free_port()}"]}
-    cluster["worker"] = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    ps, chief, *workers = (f"127.0.0.1:{port}" for port in free_ports(4))
+    cluster = {"ps": [ps], "chief": [chief], "worker": workers}
     tasks = [("ps", 0), ("worker", 0), ("worker", 1)]
     servers = [
         subprocess.Popen(
@@ -181,7 +177,7 @@ def bare_ps_child(runs: int) -> None:
         rss = []
         for _ in range(runs):
             with strategy.scope():
-                step_fn, input_fn = digits_setup(strategy_free())
+                step_fn, input_fn = digits_setup(bare_replicator())
             dataset = coordinator.create_per_worker_dataset(functools.partial(input_fn, None))
             iterator = iter(dataset)
 
@@ -210,7 +206,7 @@ def make_step(tf, strategy, step_fn):
     return step
 
 
-def strategy_free():
+def bare_replicator():
     """digits_setup's `repl` for the bare anchor: TensorFlow's optimizer as it is."""
     return type("Bare", (), {"wrap_optimizer": staticmethod(lambda optimizer: optimizer)})()
 

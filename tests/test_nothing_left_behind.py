@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from workbench._src.placements.local.processes import ProcessGroup
+from workbench._src.placements.proc import pids_naming
 
 # A launched process that writes into its temp folder (as AutoGraph does), says where, and waits.
 CHILD = """
@@ -89,18 +90,6 @@ def test_a_failed_workbench_run_leaves_its_tmpdir_empty(tmp_path):
     assert leftovers(private) == [], f"left in TMPDIR: {leftovers(private)[:10]}"
 
 
-def processes_naming(folder: Path) -> list[int]:
-    """The processes whose command line names `folder` (ours: it is a new private one)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and str(folder).encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                found.append(int(entry))
-        except OSError:
-            pass
-    return found
-
-
 def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_behind(tmp_path):
     # `workbench run` starts its fork server first; a file that does not compile ends the command
     # a moment later. The fork server's start was on a thread of its own, and 3 exits in 5 left its
@@ -121,7 +110,7 @@ def test_a_workbench_run_that_fails_at_once_leaves_no_fork_server_behind(tmp_pat
             assert leftovers(private) == [], f"left in TMPDIR after exit {attempt + 1}: {leftovers(private)}"
             # Nor its fork server, which was still importing: it would never serve, its folder
             # gone, and seconds of CPU went to its import after the command had ended.
-            assert processes_naming(private) == [], f"running after exit {attempt + 1}"
+            assert pids_naming(str(private)) == [], f"running after exit {attempt + 1}"
         finally:
             shutil.rmtree(private, ignore_errors=True)
 

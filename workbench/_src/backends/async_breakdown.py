@@ -33,9 +33,9 @@ class AsyncBreakdown:
         self.traffic: float | None = None  # seconds per step moving variables to and from the ps
 
     def chunk(self, steps: int, marks, first_run: bool) -> None:
-        """A chunk came back: its clock readings (None when untimed); `first_run`: the timed
-        variant's first run (traced there: not a step's time)."""
-        if first_run or marks is None or not len(marks):
+        """A chunk came back: its clock readings; `first_run`: the loop's first run (traced
+        there: not a step's time)."""
+        if first_run or not len(marks):
             self.recorder.chunk(0.0, 0.0, steps, None, traced=first_run)
             return
         if self.traffic is None:

@@ -147,7 +147,7 @@ class CoordinatorExecutor:
         # parameter-server traffic. The first chunk traces: not a step's time.
         timed = self.breakdown is not None
         first_run = timed and timed not in self.program.traced_variants
-        return self.program.schedule(k, timed), time.monotonic(), (timed, first_run)
+        return self.program.schedule(k, timed), time.monotonic(), first_run
 
     def collect(self, handle):
         """(rows, steps done) of a scheduled chunk, or None when it was lost with a dead worker.
@@ -155,7 +155,7 @@ class CoordinatorExecutor:
         The fetch blocks in TensorFlow (for as long as a worker is missing), so it runs on a
         daemon thread while this one watches the servers: a dead parameter server, or no worker
         left, ends the run within a fraction of a second instead of never."""
-        remote, submitted, (timed, first_run) = handle
+        remote, submitted, first_run = handle
         box: dict = {}
         fetched = threading.Event()
 
@@ -185,8 +185,7 @@ class CoordinatorExecutor:
         rows, done = box["value"][:2]
         done = int(done)
         if self.breakdown is not None:
-            marks = np.asarray(box["value"][2])[:done] if timed else None
-            self.breakdown.chunk(done, marks, first_run)
+            self.breakdown.chunk(done, np.asarray(box["value"][2])[:done], first_run)  # (timed: submit)
         self.program.steps_done += done
         if not self.program.fused_traced:
             self.program.fused_traced = True
