@@ -15,8 +15,10 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 
 import pytest
 from helpers import RUN_WAIT, placement_under_test, process_pid, regression_setup, wait_for_steps
@@ -39,7 +41,20 @@ def _wait_until(condition, run, timeout=120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition() and run.running and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert condition(), f"run at step {run.steps}: {run.status} {run.stop_reason}"
+    assert condition(), (
+        f"run at step {run.steps}: {run.status} {run.stop_reason}; said: {_messages(run)}; "
+        f"restarts: {run.restarts}; the placement's threads: {_placement_threads()}"
+    )
+
+
+def _placement_threads() -> dict:
+    """Where this process's Ray replacement threads are (what a run that says nothing waits for)."""
+    frames = sys._current_frames()
+    return {
+        t.name: "".join(traceback.format_stack(frames[t.ident])[-4:])
+        for t in threading.enumerate()
+        if t.name.startswith("workbench ray") and t.ident in frames
+    }
 
 
 # How each placement names a SIGKILLed server's end: a local server's exit status, or Ray's
@@ -249,3 +264,25 @@ def test_rays_words_for_a_killed_process_are_not_read_as_its_nodes_death():
     node = RuntimeError("The actor died because its node has died. Node Id: 6c1e...")
     assert death_reason(killed) == "its process ended unexpectedly (killed or crashed)"
     assert death_reason(node) == "its node died (Ray's node health check)"
+
+
+def test_the_placements_news_sent_again_is_said_once():
+    # (replace.py sends a piece of news again when the coordinator took longer than a call's
+    # timeout to take it: the first may still arrive, and the run must say the loss once)
+    from workbench._src.backends.placed_workers import PlacedWorkers
+    from workbench._src.core.run import Run
+    from workbench._src.launch.runtime import tell_placement_news
+
+    run = Run({"backend": "async-ps", "steps": 10})
+    placed = PlacedWorkers()
+    lost = {"kind": "lost", "index": 1, "run": 1, "number": 7, "where": "pid 5 on node n", "cause": "killed"}
+    lost.update(described="was killed", replacing=True, why="", address="n:4000")
+    dropped = {"kind": "dropped", "index": 1, "run": 1, "number": 8, "why": "port 4000 is taken"}
+    for news in (lost, lost, dropped, dropped):
+        tell_placement_news(news)
+    assert placed.read(run, lambda: 1) == []
+    said = _messages(run)
+    assert len(said) == 2, said
+    assert said[0].startswith("worker 1 (pid 5 on node n) was killed") and "n:4000" in said[0], said
+    assert "could not take the lost one's place: port 4000 is taken" in said[1], said
+    assert placed.gone() == {"worker 1"} and not placed.coming()

@@ -24,6 +24,7 @@ class PlacedWorkers:
 
     def __init__(self):
         self.lost: dict[int, dict] = {}  # worker index -> its "lost" news, the step and time it was heard
+        self.heard: set[int] = set()  # the news' numbers taken (one sent again is taken once)
         placement_news()  # (what is left is an ended run's: not this one's)
 
     def gone(self) -> set[str]:
@@ -44,6 +45,9 @@ class PlacedWorkers:
         answered = []
         for news in placement_news():
             index, kind = news["index"], news["kind"]
+            if news.get("number") in self.heard:
+                continue
+            self.heard.add(news.get("number"))
             if kind == "lost":
                 self.lost[index] = {**news, "step": run.steps, "heard": time.monotonic()}
                 then = (

@@ -18,15 +18,29 @@ run goes on: the Ray side of what a local coordinator does for its own servers
      (the node is gone, Ray put the bundle elsewhere, the port is taken, no start within
      startup_timeout), the coordinator hears "dropped" with why in one line; the member stays
      dead, so the pool is retired after the run, as before.
+
+Each piece of news is sent until the coordinator has it (or its run is over): one call may time
+out (link.SEND_TIMEOUT) while the coordinator holds its interpreter, and news lost that way would
+leave the run silent about its lost worker for good. A piece sent twice carries one number, so
+the coordinator takes it once (backends/placed_workers.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 
 from workbench._src.placements.local.servers import REPLACEMENTS_PER_WORKER
+
+# How long one piece of news is tried again while the coordinator does not take it: many times
+# its longest interpreter hold (seconds); past that it is frozen, and the launcher's heartbeat
+# watch says so.
+NEWS_PATIENCE_SECONDS = 60.0
+# How often Ray's node table is asked whether the lost worker's node is alive before it is taken
+# as unknown (a GCS busy under load may fail one query; an unknown node is tried, not refused).
+NODE_QUERIES = 3
 
 
 class CannotReplace(Exception):
@@ -46,6 +60,7 @@ class ServerReplacer:
         self.starting: set = set()  # actors being started now (stop() ends them)
         self.stopping = False
         self._lock = threading.Lock()
+        self._news_numbers = itertools.count(1)
 
     def lost(self, member) -> None:
         """The link saw `member`'s actor die (its reader thread: the work goes to a thread)."""
@@ -53,13 +68,18 @@ class ServerReplacer:
         if run is None or self.stopping:
             return  # between runs: the next run finds the member dead and starts a fresh pool
         threading.Thread(
-            target=self._replace, args=(member, run, lost_at, described), name="workbench ray replace", daemon=True
+            target=self._replace,
+            args=(member, run, lost_at, described),
+            name="workbench ray replace",
+            daemon=True,
         ).start()
 
     def _replace(self, member, run, lost_at: float, described: str) -> None:
         why = self._why_not(member, run)
         lost = {"where": member.where, "described": described, "cause": member.death or "its actor ended"}
-        self._tell("lost", member, run, **lost, replacing=not why, why=why, address=f"{member.node}:{member.port}")
+        self._tell(
+            "lost", member, run, **lost, replacing=not why, why=why, address=f"{member.node}:{member.port}"
+        )
         if why:
             return
         try:
@@ -82,16 +102,20 @@ class ServerReplacer:
             made = self.made.get((run, member.index), 0)
         if made >= REPLACEMENTS_PER_WORKER:
             return f"it is not replaced again: lost {made + 1} times in this run, something ends it"
-        if not self._node_alive(member.node_id):
+        if self._node_alive(member.node_id) is False:
             return f"its node {member.node} is gone (a new server elsewhere would not be at its address)"
         with self._lock:
             self.made[(run, member.index)] = made + 1
         return ""
 
-    def _node_alive(self, node_id: str) -> bool:
-        with contextlib.suppress(Exception):
-            return any(n.get("NodeID") == node_id and n.get("Alive") for n in self.ray.nodes())
-        return False
+    def _node_alive(self, node_id: str) -> bool | None:
+        """Whether Ray's node table has the node alive; None when the table could not be read
+        (then the new actor is tried: `_start` refuses a bundle Ray moved to another node)."""
+        for attempt in range(NODE_QUERIES):
+            with contextlib.suppress(Exception):
+                return any(n.get("NodeID") == node_id and n.get("Alive") for n in self.ray.nodes())
+            time.sleep(0.5 * (attempt + 1))
+        return None
 
     def _start(self, member):
         """A new actor in the member's bundle, serving TensorFlow at the member's address."""
@@ -127,11 +151,16 @@ class ServerReplacer:
                 self.starting.discard(actor)
 
     def _tell(self, kind: str, member, run, **news) -> None:
-        """News for the coordinator's run (an actor call, waited for: in order)."""
-        if self.stopping or not self.ray.is_initialized():
-            return
-        news = {"kind": kind, "index": member.index, "run": run, **news}
-        self.link.send(self.link.report_to, {"type": "placement_news", "news": news})
+        """News for the coordinator's run (an actor call, waited for: in order), sent again until
+        the coordinator takes it, its run is over or NEWS_PATIENCE_SECONDS have gone by."""
+        news = {"kind": kind, "index": member.index, "run": run, "number": next(self._news_numbers), **news}
+        deadline = time.monotonic() + NEWS_PATIENCE_SECONDS
+        while not self.stopping and self.ray.is_initialized() and self.link.current_run == run:
+            if self.link.send(self.link.report_to, {"type": "placement_news", "news": news}):
+                return
+            if time.monotonic() > deadline or self.link.members[self.link.report_to].dead:
+                return
+            time.sleep(0.5)
 
     def _end(self, actor) -> None:
         with contextlib.suppress(Exception):
