@@ -187,6 +187,35 @@ def test_a_child_that_says_hello_before_the_group_has_recorded_its_pid_is_accept
         channel.close()
 
 
+def test_what_a_child_said_that_the_launchers_reader_has_not_taken_yet_is_seen_as_unread():
+    # A launcher held up (its reader thread stuck) must not call a member silent whose messages
+    # wait in the socket (launch/watch.py asks `unread` before it does). The reader is held here
+    # at its queue, by its lock: the first "spoke" is read and waits to be queued, the second
+    # waits in the socket.
+    from workbench._src.placements.local.channel import Channel
+    from workbench._src.placements.local.processes import ProcessGroup
+
+    group = ProcessGroup("isolation test")
+    channel = Channel(group)
+    try:
+        child = group.start("worker", 0, "test_network_isolation", {**PROBE_ENV, **channel.env()}, ["speak"])
+        assert channel.messages.get(timeout=30)[1]["type"] == "hello"
+        assert not channel.unread("worker:0")
+        with channel.messages.mutex:
+            assert channel.send("worker:0", {"type": "speak"})
+            deadline = time.monotonic() + 30
+            while not channel.unread("worker:0") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            unread, queued = channel.unread("worker:0"), len(channel.messages.queue)
+        assert unread and queued == 0
+        assert [channel.messages.get(timeout=30)[1]["type"] for _ in range(2)] == ["spoke", "spoke"]
+        assert not channel.unread("worker:0")
+        say_bye(channel, child)
+    finally:
+        group.stop()
+        channel.close()
+
+
 # ----- a group inside the namespace inherits it -------------------------------------------------------
 @pytest.mark.slow
 def test_group_started_inside_the_namespace_shares_it():
@@ -480,6 +509,16 @@ def _probe(args: list[str]) -> None:
         link.send({"type": "net", "net": os.readlink("/proc/self/ns/net")})
         link.recv()
         os._exit(0)  # as worker_main: the parent-watch thread holds stdin's lock
+    elif args[0] == "speak":
+        from workbench._src.placements.local.channel import ParentLink, exit_when_parent_dies
+
+        exit_when_parent_dies()
+        link = ParentLink()
+        assert link.recv() == {"type": "speak"}
+        link.send({"type": "spoke"})
+        link.send({"type": "spoke"})
+        link.recv()
+        os._exit(0)
     elif args[0] == "all-reduce":
         _all_reduce()
     elif args[0] == "netid":

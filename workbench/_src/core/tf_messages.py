@@ -45,7 +45,18 @@ def op_error_sentence(text: str) -> tuple[str, str | None] | None:
         root = _ROOT_ERROR.match(line)
         if root:
             return _OP_SUFFIX.sub("", root["sentence"]).strip(), node
-    sentences = [line for line in rest if line.strip() and not line.lstrip().startswith("[[") and line.strip() != NO_STACK]
+    sentences = [
+        line
+        for line in rest
+        if line.strip() and not line.lstrip().startswith("[[") and line.strip() != NO_STACK
+    ]
     if not sentences or re.match(r"^\d+ root error", sentences[0]):
         return None
     return _OP_SUFFIX.sub("", sentences[0]).strip(), node
+
+
+def unhealthy_task(text: str) -> str | None:
+    """The task TensorFlow's coordination service reports as no longer sending heartbeats
+    ("... unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1"), as "worker:1"."""
+    found = re.search(r"stopped sending heartbeats\):\s*/job:(\w+)/replica:\d+/task:(\d+)", text)
+    return f"{found.group(1)}:{found.group(2)}" if found else None

@@ -18,6 +18,7 @@ WORKBENCH_TRACEBACKS=full turns all of this off: every frame and every wrapper, 
 from __future__ import annotations
 
 import functools
+import linecache
 import os
 import re
 import sys
@@ -282,6 +283,34 @@ def format_frames(tb) -> str:
         if line:
             out.append(f"    {line.strip()}\n")
     return "".join(out)
+
+
+_DUMPED = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
+
+
+def work_stack(dump: str, frames: int = 12) -> str:
+    """Where a member process's work is, from faulthandler's dump of its threads (asked of a
+    silent member before it is ended): the thread in the workbench's serve loop (else the first),
+    as a traceback's lines, innermost first, from the innermost frame to where the workbench
+    called into the code that runs (below that, the workbench's own frames are every run's).
+    '' when the dump has no thread."""
+    blocks = [b for b in re.split(r"\n\s*\n", dump) if "most recent call first" in b]
+    if not blocks:
+        return ""
+    work = next((b for b in blocks if re.search(r'launch[/\\]member\.py", line \d+ in serve', b)), blocks[0])
+    out, outside = [], False
+    for match in filter(None, map(_DUMPED.match, work.splitlines())):
+        filename, lineno, name = match["file"], int(match["line"]), match["name"]
+        ours = filename.startswith(_PACKAGE + os.sep)
+        if (ours and outside) or len(out) == frames:
+            break
+        outside = outside or not ours
+        line = linecache.getline(filename, lineno) or _remembered_line(filename, lineno)
+        out.append(
+            f"  {_where(filename)}, line {lineno}, in {name}"
+            + (f"\n    {line.strip()}" if line.strip() else "")
+        )
+    return "\n".join(out)
 
 
 def _where(filename: str) -> str:

@@ -120,6 +120,11 @@ class Member(Protocol):
         """The end of its log ("" where the log is not readable from here)."""
         ...
 
+    def stacks(self) -> str:
+        """Its Python threads' stacks now, in faulthandler's form, asked of the process itself
+        (it answers even while a call holds its interpreter); "" where it cannot be asked."""
+        ...
+
     def cpu_seconds(self, with_own: bool = False) -> float | None:
         """The CPU time it has used (with_own: and its own processes); None where it cannot be
         read (another node): then only its heartbeats tell a busy member from a frozen one."""
@@ -148,7 +153,7 @@ class Members(Protocol):
 @runtime_checkable
 class Link(Protocol):
     """The launcher's side of the messages to and from the members that run work
-    (placements/local: `channel.Channel`, a Unix socket; placements/ray: `RayChannel`, actor
+    (placements/local: `channel.Channel`, a Unix socket; placements/ray: `RayLink`, actor
     calls)."""
 
     messages: queue.Queue  # (task name, message dict), in the order each member said them
@@ -158,6 +163,11 @@ class Link(Protocol):
         ...
 
     def broadcast(self, message: dict) -> None: ...
+
+    def unread(self, task: str) -> bool:
+        """Whether `task` has said something this side has not read yet (its messages wait in
+        the transport while the launcher's own reader is held up); False where it cannot tell."""
+        ...
 
     def close(self) -> None: ...
 

@@ -8,12 +8,12 @@ the link to them (`channel`), and each member's pid, exit, log and CPU time.
 from __future__ import annotations
 
 import queue
-import re
 import time
 
 from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
-from workbench._src.core.tracebacks import full_tracebacks
+from workbench._src.core.tf_messages import unhealthy_task
+from workbench._src.core.tracebacks import full_tracebacks, work_stack
 from workbench._src.launch.heal import replaced_in_run
 from workbench._src.launch.start_progress import StartDeadline, phase_text, startup_phases
 
@@ -221,8 +221,11 @@ class Watch:
             last = self.heard.get(task)
             if last is None or task in self.results:
                 continue
-            silent = now - last
-            if self._idle_for(task, now) > timeout:
+            silent, idle = now - last, self._idle_for(task, now)
+            if (idle > timeout or silent > BUSY_SILENCE_LIMIT * timeout) and self.channel.unread(task):
+                self.heard[task] = now  # it spoke: its words wait for our reader (a busy launcher)
+                continue
+            if idle > timeout:
                 mark = self.cpu_seen.get(task, (0, None, None))
                 state = (
                     " while it neither ran nor waited for a CPU (frozen, stopped or hung)"
@@ -237,6 +240,7 @@ class Watch:
                     "of the run was stopped.",
                     task,
                     cause=f"no heartbeat for {silent:.0f} s",
+                    stacks=True,
                 )
             busy_for = self._cpu_used_while_silent(task) if silent > BUSY_SILENCE_LIMIT * timeout else None
             if busy_for is not None and busy_for > BUSY_SILENCE_LIMIT * timeout:
@@ -247,6 +251,7 @@ class Watch:
                     "of the run was stopped.",
                     task,
                     cause=f"busy and silent for {silent:.0f} s",
+                    stacks=True,
                 )
         missing = [t for t in self.tasks if t not in self.ready]
         if missing and self.start_deadline.passed(now, [self._child(t) for t in missing]):
@@ -312,7 +317,7 @@ class Watch:
         self._check()  # a worker that died without reporting is the culprit
         if message.get("summary", "").startswith(_PEER_LOST_ERRORS):
             self._await_lost_peer(errors)
-        unhealthy = _unhealthy_task(message.get("summary", ""))
+        unhealthy = unhealthy_task(message.get("summary", ""))
         if unhealthy in self.tasks and unhealthy != task and unhealthy not in errors:
             # TensorFlow's coordination service saw the peer's heartbeats stop before ours did
             # (a busy machine can delay our heartbeats' handling): it names the frozen one.
@@ -411,13 +416,17 @@ class Watch:
         role, index = task.split(":")
         return next((c for c in self.group.children if c.role == role and c.index == int(index)), None)
 
-    def _raise(self, text: str, task: str | None, cause: str | None = None) -> None:
-        """Fails the launch; `cause`: how a member was lost (None: no member was lost)."""
+    def _raise(self, text: str, task: str | None, cause: str | None = None, stacks: bool = False) -> None:
+        """Fails the launch; `cause`: how a member was lost (None: no member was lost); `stacks`:
+        the member is silent, and where its threads are now says why (asked before it is ended)."""
         log = ""
         if task is not None:
-            tail = self._child(task).log_tail()
+            tail = self._child(task).log_tail()  # (before the stacks, which go to the same log)
             if tail:
                 log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
+            where = work_stack(self._child(task).stacks()) if stacks else ""
+            if where:
+                log += f"\n--- where {_label(task)}'s work was (most recent call first) ---\n{where}"
         backend = self.launcher.backend
         raise WorkerError(
             f"{backend} run failed: {text}{log}", task=_label(task) if task else None, cause=cause
@@ -428,13 +437,6 @@ def task_order(task: str):
     """Workers first, in index order (the chief is worker 0)."""
     role, index = task.split(":")
     return (role != "worker", role, int(index))
-
-
-def _unhealthy_task(text: str) -> str | None:
-    """The task TensorFlow's coordination service reports as no longer sending heartbeats
-    ("... unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1"), as "worker:1"."""
-    found = re.search(r"stopped sending heartbeats\):\s*/job:(\w+)/replica:\d+/task:(\d+)", text)
-    return f"{found.group(1)}:{found.group(2)}" if found else None
 
 
 def _label(task: str) -> str:

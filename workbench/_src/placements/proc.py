@@ -19,6 +19,13 @@ def _stat_fields(pid: int) -> list[str]:
         return []
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (state T: SIGSTOP, or t: a debugger's trace stop): it runs no
+    signal handler until continued."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] in ("T", "t")
+
+
 def process_cpu_seconds(pid: int) -> float | None:
     """User plus system CPU time of `pid` (all its threads; None: gone)."""
     fields = _stat_fields(pid)

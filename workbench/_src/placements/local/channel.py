@@ -131,6 +131,17 @@ class Channel:
         for task in list(self._connections):
             self.send(task, message)
 
+    def unread(self, task: str) -> bool:
+        """Whether `task`'s socket holds bytes its reader thread has not taken yet (the thread,
+        not the member, held up: a busy launcher). Asked before a member is called silent."""
+        conn = self._connections.get(task)
+        if conn is None:
+            return False
+        try:
+            return conn.poll(0)  # (select on the socket: reads nothing)
+        except (OSError, ValueError, EOFError):
+            return False
+
     def close(self) -> None:
         """Stops listening, drops every connection, removes the socket's folder."""
         if self._closed:

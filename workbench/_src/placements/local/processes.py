@@ -43,13 +43,19 @@ from workbench._src.core import tf_setup
 from workbench._src.core.owned_folders import owned_folder
 from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
-from workbench._src.placements.proc import processes_cpu_seconds, processes_cpu_wait
+from workbench._src.placements.proc import process_stopped, processes_cpu_seconds, processes_cpu_wait
 
 LOOPBACK = "127.0.0.1"
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
 LOG_DIR_ENV = "WORKBENCH_LOG_DIR"  # a child's group's log folder: groups it makes nest inside
 TMP_DIR_ENV = "WORKBENCH_PROCESS_TMPDIR"  # a child's own temp folder (also its TMPDIR)
 LAUNCHER_PID_ENV = "WORKBENCH_LAUNCHER_PID"  # the group's process: a child exits when it is gone
+# A member dumps its Python threads' stacks into its log on this signal (worker_main registers
+# faulthandler for it first thing): the launcher asks for them when it finds the member silent.
+STACKS_SIGNAL = signal.SIGUSR1
+# How long the launcher waits for that dump: faulthandler writes from its signal handler, without
+# the interpreter's lock, so a frozen process writes it too; it bounds a starved one's delay.
+STACKS_WAIT = 3.0
 TMP_PREFIX = "workbench-tmp-"  # only folders named so are ever removed as a child's temp folder
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
@@ -158,6 +164,32 @@ class Child:
             except ValueError:
                 return f"killed by signal {-code}"
         return f"exited with code {code}"
+
+    def stacks(self) -> str:
+        """Its Python threads' stacks now, as its faulthandler dumps them into its log on
+        STACKS_SIGNAL; "" when it wrote none within STACKS_WAIT (or has ended)."""
+        try:
+            before = self.log_path.stat().st_size
+        except OSError:
+            return ""
+        if self.pidfd is None or process_stopped(self.pid):  # (a stopped process writes nothing;
+            return ""  # without a pidfd the signal could reach another process that took the pid)
+        try:
+            signal.pidfd_send_signal(self.pidfd, STACKS_SIGNAL)
+        except OSError:
+            return ""
+        size, deadline = before, time.monotonic() + STACKS_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            with contextlib.suppress(OSError):
+                grown = self.log_path.stat().st_size
+                if size > before and grown == size:
+                    break  # written, and no more for 0.1 s
+                size = grown
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
+            log.seek(before)
+            return log.read(size - before).decode(errors="replace")
+        return ""
 
     def log_tail(self, lines: int = 15) -> str:
         try:

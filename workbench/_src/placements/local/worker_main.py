@@ -16,13 +16,19 @@ Its life after the hello is a Ray member's too: launch/member.py.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
 
+from workbench._src.placements.local.processes import STACKS_SIGNAL
+
 
 def main() -> None:
     entered = time.time()
+    # Before the hello: a launcher that finds this process silent asks it where its threads are
+    # (SIGUSR1, whose default action would end it), and names that in its verdict.
+    faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     # Imports inside main(), in start-up order: watch the parent and say hello first (the
     # launcher's heartbeat clock starts), then the backend, then TensorFlow (_configure_tensorflow).
     from workbench._src.placements.local.channel import ParentLink, exit_when_parent_dies

@@ -105,6 +105,9 @@ class RayMember:
     def log_tail(self, lines: int = 15) -> str:
         return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
 
+    def stacks(self) -> str:
+        return ""  # (a frozen actor answers no call; its output is in Ray's logs: `ray stack` there)
+
     def process_gone(self) -> bool:
         """Its process has ended, as this node's /proc shows (False where it cannot be read)."""
         if not (self._cpu_readable and self.on_this_node):
@@ -251,6 +254,9 @@ class RayLink:
                 return True
             except Exception:  # noqa: BLE001 - a dead or frozen member; its stream says so
                 return False
+
+    def unread(self, task: str) -> bool:
+        return False  # (what a member streams waits in Ray's object store: the reader takes it)
 
     def broadcast(self, message: dict, timeout: float = SEND_TIMEOUT) -> None:
         """Sends to every working member at once; waits up to `timeout` for all of them."""
