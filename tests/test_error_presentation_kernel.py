@@ -61,6 +61,20 @@ def test_errors_readable_in_a_kernel(tmp_path, monkeypatch, child_tmpdir):
             if case == "in_a_worker":  # the worker's frame in the cell, with its line
                 assert 'File "<%%replicate cell>", line 7, in step_fn' in error["evalue"], error["evalue"]
                 assert "learning_rat * loss" in error["evalue"]
+        # Functions defined in a cell and handed to repl.train travel by value (cloudpickle): the
+        # worker's frame is still named by the cell it came from, with the cell's line.
+        defined = (
+            "import tensorflow as tf\nimport workbench as wb\n\ndef input_fn(ctx):\n"
+            "    return tf.data.Dataset.from_tensor_slices(tf.zeros([64, 3])).repeat().batch(8)\n\n"
+            "def step_fn(x):\n    return {'loss': tf.reduce_mean(x * undefined_scale)}\n"
+        )
+        reply = shell_reply(kc, kc.execute(defined), 120, "the functions' cell")["content"]
+        assert reply["status"] == "ok", reply
+        error = _fail(
+            kc, "wb.MultiWorkerReplicator(num_workers=2).train(step_fn=step_fn, input_fn=input_fn, steps=3)"
+        )
+        cell = rf"Cell In\[{reply['execution_count']}\], line 8, in step_fn\n +return {{'loss': tf.reduce_mean\(x \* undefined_scale\)}}"
+        assert re.search(cell, error["evalue"]), error["evalue"]
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -313,6 +313,33 @@ def work_stack(dump: str, frames: int = 12) -> str:
     return "\n".join(out)
 
 
+_FORMATTED = re.compile(r'^(?P<indent>\s*)File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
+
+
+def cells_named(text: str) -> str:
+    """A traceback formatted in a worker process, its frames named as this process names them: a
+    frame in a notebook cell (a function sent from the notebook) as IPython names the cell ("Cell
+    In[3]"), with the cell's line, which only the notebook's kernel has."""
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        found = _FORMATTED.match(line)
+        where = _where(found["file"]) if found else ""
+        if not found or where.startswith("File "):
+            out.append(line)
+            continue
+        indent, lineno = found["indent"], int(found["line"])
+        out.append(f"{indent}{where}, line {lineno}, in {found['name']}")
+        source = linecache.getline(found["file"], lineno).strip()
+        listed = (
+            i + 1 < len(lines)
+            and lines[i + 1].startswith(indent + "  ")
+            and not _FORMATTED.match(lines[i + 1])
+        )
+        if source and not listed:
+            out.append(f"{indent}  {source}")
+    return "\n".join(out)
+
+
 def _where(filename: str) -> str:
     """'Cell In[3]' for a notebook cell (as IPython names it), else 'File "path"'."""
     ipython = sys.modules.get("IPython")

@@ -21,6 +21,7 @@ import pickle
 import sys
 import time
 import traceback
+import types
 
 from workbench._src.core import errors
 from workbench._src.core.cells import CELL_FILENAME, execute_source, functions_defined
@@ -32,6 +33,7 @@ from workbench._src.core.tracebacks import cause_line, shown_text
 from workbench._src.launch.runtime import TASK_ENV
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for a code object it sends by value
 
 
 class TrainWork:
@@ -61,6 +63,7 @@ class TrainWork:
             self.step_fn, self.input_fn, self.steps, setup=setup,
             background=True, sinks=[forward], **self.options,
         )  # fmt: skip
+
         # The launcher's stop requests (run.stop(), the Stop button, an interrupt, its own
         # preemption) come through the link's one reader (channel.ParentLink.start_reader), for
         # this run only.
@@ -195,6 +198,12 @@ def _stateless_pickler_class():
         """cloudpickle that refuses TensorFlow state (models, variables, optimizers) and says so."""
 
         def reducer_override(self, obj):
+            if isinstance(obj, types.CodeType):
+                # cloudpickle names every function it sends by value "<dynamic-code>" (a payload
+                # that does not depend on where it was defined); a worker's traceback, and a
+                # silent member's stack, then could not say which file or cell a frame is in.
+                rebuild, args = self.dispatch_table[types.CodeType](obj)
+                return rebuild, tuple(obj.co_filename if a == DYNAMIC_CODE else a for a in args)
             if _is_tensorflow_state(obj) and not _is_harmless_tf_value(obj):
                 raise pickle.PicklingError(
                     f"a {type(obj).__module__}.{type(obj).__qualname__} object (TensorFlow state)"
