@@ -246,6 +246,7 @@ def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit()
     where = str(caught.value).split("--- where worker 1's work was (most recent call first) ---\n")[1]
     frames = [line.split(", in ")[-1] for line in where.splitlines() if line.startswith("  File")]
     assert frames[:2] == ["hold_the_gil_busy", "setup"], where
+    assert "    sum(range(length))" in where  # its line, read from the file it was sent from
 
 
 def worker_number(repl):
