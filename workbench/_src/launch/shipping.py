@@ -198,11 +198,12 @@ def _stateless_pickler_class():
         """cloudpickle that refuses TensorFlow state (models, variables, optimizers) and says so."""
 
         def reducer_override(self, obj):
-            if isinstance(obj, types.CodeType):
+            reduce_code = self.dispatch_table.get(types.CodeType) if isinstance(obj, types.CodeType) else None
+            if reduce_code is not None:
                 # cloudpickle names every function it sends by value "<dynamic-code>" (a payload
                 # that does not depend on where it was defined); a worker's traceback, and a
                 # silent member's stack, then could not say which file or cell a frame is in.
-                rebuild, args = self.dispatch_table[types.CodeType](obj)
+                rebuild, args = reduce_code(obj)
                 return rebuild, tuple(obj.co_filename if a == DYNAMIC_CODE else a for a in args)
             if _is_tensorflow_state(obj) and not _is_harmless_tf_value(obj):
                 raise pickle.PicklingError(
