@@ -55,7 +55,10 @@ LAUNCHER_PID_ENV = "WORKBENCH_LAUNCHER_PID"  # the group's process: a child exit
 STACKS_SIGNAL = signal.SIGUSR1
 # How long the launcher waits for that dump: faulthandler writes from its signal handler, without
 # the interpreter's lock, so a frozen process writes it too; it bounds a starved one's delay.
-STACKS_WAIT = 3.0
+STACKS_WAIT = 5.0
+# The dump is taken as whole once the log has not grown for this long (it is written in many
+# small writes, and a starved process can be descheduled between two of them).
+STACKS_SETTLE = 0.3
 TMP_PREFIX = "workbench-tmp-"  # only folders named so are ever removed as a child's temp folder
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
@@ -179,13 +182,15 @@ class Child:
         except OSError:
             return ""
         size, deadline = before, time.monotonic() + STACKS_WAIT
+        settled = None  # since when the size has not changed
         while time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
             with contextlib.suppress(OSError):
                 grown = self.log_path.stat().st_size
-                if size > before and grown == size:
-                    break  # written, and no more for 0.1 s
+                settled = settled if grown == size else time.monotonic()
                 size = grown
+            if size > before and settled is not None and time.monotonic() - settled >= STACKS_SETTLE:
+                break
         with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
             log.seek(before)
             return log.read(size - before).decode(errors="replace")
