@@ -25,7 +25,15 @@ import time
 import cloudpickle
 import psutil
 import pytest
-from helpers import RUN_WAIT, placement_under_test, process_pid, regression_setup, wait_for, wait_for_steps
+from helpers import (
+    RUN_WAIT,
+    busy_worker_1_setup,
+    placement_under_test,
+    process_pid,
+    regression_setup,
+    wait_for,
+    wait_for_steps,
+)
 
 import workbench as wb
 from workbench._src.launch import pool as pools
@@ -160,6 +168,22 @@ def test_a_frozen_member_is_named_and_nothing_of_its_pool_is_left(placement):
     assert pools.live_pools() == []
 
 
+def test_a_member_held_in_one_call_is_named_with_where_its_work_was(placement):
+    """A member silent while it keeps a core busy (one call holding the GIL) is named once it has
+    used BUSY_SILENCE_LIMIT heartbeat timeouts of CPU time; before it is ended it is asked for its
+    stacks (its faulthandler answers without the GIL: into its log, or a Ray actor's file in its
+    temp folder), and the error shows where its work was, with the lines."""
+    from workbench._src.launch.watch import BUSY_SILENCE_LIMIT
+
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2, heartbeat_timeout=2))
+    with pytest.raises(wb.WorkerError, match=r"worker 1 \(.*stopped responding.*kept a CPU busy") as caught:
+        repl.train(setup=busy_worker_1_setup(16 * BUSY_SILENCE_LIMIT * 2), steps=20)
+    where = str(caught.value).split("--- where worker 1's work was (most recent call first) ---\n")[-1]
+    frames = [line.split(", in ")[-1] for line in where.splitlines() if line.startswith("  File")]
+    assert frames[:2] == ["hold_the_gil_busy", "setup"], str(caught.value)
+    assert "    sum(range(length))" in where  # its line, read from the file it was sent from
+
+
 def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_starts_fresh(placement):
     """An async-ps run goes on without a lost worker; a stop then ends it within 10 s (it once
     hung: the coordinator's result queued behind TensorFlow's clear_session), and the next run
@@ -173,7 +197,9 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     first = pids(run)
     victim = process_pid(run, "worker", 1)
     os.kill(victim, signal.SIGKILL)
-    wait_for(lambda: any("worker 1" in t for t in messages(run)) or run.ended, 60, "the lost worker to be said")
+    wait_for(
+        lambda: any("worker 1" in t for t in messages(run)) or run.ended, 60, "the lost worker to be said"
+    )
     steps = run.steps
     wait_for_steps(run, steps + 10)  # (it goes on without worker 1)
     stopping = time.monotonic()
@@ -299,7 +325,9 @@ def test_choosing_a_process_backend_starts_its_pool_in_the_background(notebook):
     wait_for(lambda: [p.describe()["state"] for p in pools.live_pools()] == ["idle"], RUN_WAIT, "the pool")
     (pool,) = pools.live_pools()
     started = [p["pid"] for p in pool.processes]
-    wait_for(lambda: pool.channel.messages.qsize() >= 2, RUN_WAIT, "both workers to connect")  # (their hellos)
+    wait_for(
+        lambda: pool.channel.messages.qsize() >= 2, RUN_WAIT, "both workers to connect"
+    )  # (their hellos)
     run = repl.train(setup=regression_setup, steps=10)
     assert run.status == "finished" and pids(run) == started
     (ready,) = [t for t in messages(run) if "processes ready" in t]

@@ -241,12 +241,7 @@ def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit()
         repl.train(setup=busy_worker_1_setup(16 * BUSY_SILENCE_LIMIT * 2), steps=20)
     used = int(re.search(r"\((\d+) CPU-seconds", str(caught.value)).group(1))
     assert BUSY_SILENCE_LIMIT * 2 <= used < 2 * BUSY_SILENCE_LIMIT * 2, str(caught.value)
-    # Where its work was, asked of the process before it was ended (its faulthandler answers
-    # while the call holds the GIL): the call itself, innermost first, then the user's setup.
-    where = str(caught.value).split("--- where worker 1's work was (most recent call first) ---\n")[1]
-    frames = [line.split(", in ")[-1] for line in where.splitlines() if line.startswith("  File")]
-    assert frames[:2] == ["hold_the_gil_busy", "setup"], where
-    assert "    sum(range(length))" in where  # its line, read from the file it was sent from
+    # (where its work was, on both placements: test_pools.py)
 
 
 def worker_number(repl):

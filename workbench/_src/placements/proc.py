@@ -3,8 +3,11 @@ a Unix socket). It imports only core's owned folders (core/owned_folders.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
+import time
 
 from workbench._src.core.owned_folders import owned_folder, pid_alive
 
@@ -17,6 +20,42 @@ def _stat_fields(pid: int) -> list[str]:
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return []
+
+
+# A member dumps its Python threads' stacks into a file of its own on this signal (faulthandler,
+# registered first thing in the member): the launcher asks for them when it finds it silent.
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_FILE = "stacks.txt"  # a Ray member's, in its temp folder (a local member's go to its log)
+# How long the launcher waits for that dump: faulthandler writes from its signal handler, without
+# the interpreter's lock, so a frozen process writes it too; it bounds a starved one's delay.
+STACKS_WAIT = 5.0
+# The dump is taken as whole once the file has not grown for this long (it is written in many
+# small writes, and a starved process can be descheduled between two of them).
+STACKS_SETTLE = 0.3
+
+
+def dumped_stacks(signal_it, path) -> str:
+    """What a process's faulthandler wrote to `path` after `signal_it()` sent it STACKS_SIGNAL
+    (False: it could not be sent); "" when nothing came within STACKS_WAIT."""
+    try:
+        before = os.stat(path).st_size
+    except OSError:
+        return ""
+    if not signal_it():
+        return ""
+    size, deadline, settled = before, time.monotonic() + STACKS_WAIT, None
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            grown = os.stat(path).st_size
+            settled = settled if grown == size else time.monotonic()
+            size = grown
+        if size > before and settled is not None and time.monotonic() - settled >= STACKS_SETTLE:
+            break
+    with contextlib.suppress(OSError), open(path, "rb") as dump:
+        dump.seek(before)
+        return dump.read(size - before).decode(errors="replace")
+    return ""
 
 
 def process_stopped(pid: int) -> bool:

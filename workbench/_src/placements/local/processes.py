@@ -43,22 +43,19 @@ from workbench._src.core import tf_setup
 from workbench._src.core.owned_folders import owned_folder
 from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
-from workbench._src.placements.proc import process_stopped, processes_cpu_seconds, processes_cpu_wait
+from workbench._src.placements.proc import (
+    STACKS_SIGNAL,
+    dumped_stacks,
+    process_stopped,
+    processes_cpu_seconds,
+    processes_cpu_wait,
+)
 
 LOOPBACK = "127.0.0.1"
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
 LOG_DIR_ENV = "WORKBENCH_LOG_DIR"  # a child's group's log folder: groups it makes nest inside
 TMP_DIR_ENV = "WORKBENCH_PROCESS_TMPDIR"  # a child's own temp folder (also its TMPDIR)
 LAUNCHER_PID_ENV = "WORKBENCH_LAUNCHER_PID"  # the group's process: a child exits when it is gone
-# A member dumps its Python threads' stacks into its log on this signal (worker_main registers
-# faulthandler for it first thing): the launcher asks for them when it finds the member silent.
-STACKS_SIGNAL = signal.SIGUSR1
-# How long the launcher waits for that dump: faulthandler writes from its signal handler, without
-# the interpreter's lock, so a frozen process writes it too; it bounds a starved one's delay.
-STACKS_WAIT = 5.0
-# The dump is taken as whole once the log has not grown for this long (it is written in many
-# small writes, and a starved process can be descheduled between two of them).
-STACKS_SETTLE = 0.3
 TMP_PREFIX = "workbench-tmp-"  # only folders named so are ever removed as a child's temp folder
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
@@ -170,31 +167,20 @@ class Child:
 
     def stacks(self) -> str:
         """Its Python threads' stacks now, as its faulthandler dumps them into its log on
-        STACKS_SIGNAL; "" when it wrote none within STACKS_WAIT (or has ended)."""
-        try:
-            before = self.log_path.stat().st_size
-        except OSError:
-            return ""
-        if self.pidfd is None or process_stopped(self.pid):  # (a stopped process writes nothing;
-            return ""  # without a pidfd the signal could reach another process that took the pid)
-        try:
-            signal.pidfd_send_signal(self.pidfd, STACKS_SIGNAL)
-        except OSError:
-            return ""
-        size, deadline = before, time.monotonic() + STACKS_WAIT
-        settled = None  # since when the size has not changed
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            with contextlib.suppress(OSError):
-                grown = self.log_path.stat().st_size
-                settled = settled if grown == size else time.monotonic()
-                size = grown
-            if size > before and settled is not None and time.monotonic() - settled >= STACKS_SETTLE:
-                break
-        with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
-            log.seek(before)
-            return log.read(size - before).decode(errors="replace")
-        return ""
+        STACKS_SIGNAL (worker_main registers it); "" when it wrote none within STACKS_WAIT."""
+
+        def signal_it() -> bool:
+            # (a stopped process writes nothing; without a pidfd the signal could reach another
+            # process that took the pid)
+            if self.pidfd is None or process_stopped(self.pid):
+                return False
+            try:
+                signal.pidfd_send_signal(self.pidfd, STACKS_SIGNAL)
+                return True
+            except OSError:
+                return False
+
+        return dumped_stacks(signal_it, self.log_path)
 
     def log_tail(self, lines: int = 15) -> str:
         try:

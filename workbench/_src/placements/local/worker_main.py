@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-from workbench._src.placements.local.processes import STACKS_SIGNAL
+from workbench._src.placements.proc import STACKS_SIGNAL
 
 
 def main() -> None:

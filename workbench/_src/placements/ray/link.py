@@ -18,12 +18,16 @@ link to them (`RayLink`), on Ray's own primitives (placements/ray/member.py is t
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
 
 from workbench._src.placements.proc import (
+    STACKS_FILE,
+    STACKS_SIGNAL,
     boot_id,
+    dumped_stacks,
     process_cpu_seconds,
     process_cpu_wait,
     process_start_ticks,
@@ -53,7 +57,14 @@ class RayMember:
     """One actor of the pool, as the launcher sees a local child."""
 
     def __init__(
-        self, role: str, index: int, actor, where: dict, on_this_node: bool, may_die: bool = False, bundle: int = 0
+        self,
+        role: str,
+        index: int,
+        actor,
+        where: dict,
+        on_this_node: bool,
+        may_die: bool = False,
+        bundle: int = 0,
     ):
         self.role, self.index = role, index
         self.node, self.port, self.node_id = where["address"], where["port"], where["node_id"]
@@ -74,7 +85,9 @@ class RayMember:
         # heartbeats tell, and its start is bounded by startup_timeout alone. (Its death is
         # read from /proc on this node only: on another, Ray's report names the node's loss.)
         started = where.get("started")
-        same_machine = self.on_this_node or (where.get("boot_id") is not None and where.get("boot_id") == boot_id())
+        same_machine = self.on_this_node or (
+            where.get("boot_id") is not None and where.get("boot_id") == boot_id()
+        )
         self._started = started
         self._cpu_readable = same_machine and started is not None and started == process_start_ticks(self.pid)
         self.dead = False
@@ -106,7 +119,20 @@ class RayMember:
         return ""  # its output is in Ray's logs on its node (`ray logs`); errors come as messages
 
     def stacks(self) -> str:
-        return ""  # (a frozen actor answers no call; its output is in Ray's logs: `ray stack` there)
+        """Its threads' stacks, dumped by its faulthandler into its temp folder, where this
+        process can signal it and read the file (its machine); "" elsewhere (a frozen actor
+        answers no call)."""
+
+        def signal_it() -> bool:
+            if not (self._cpu_readable and same_process_running(self.pid, self._started)):
+                return False  # (another machine, or its pid is another process's by now)
+            try:
+                os.kill(self.pid, STACKS_SIGNAL)
+                return True
+            except OSError:
+                return False
+
+        return dumped_stacks(signal_it, os.path.join(self.tmp_dir, STACKS_FILE))
 
     def process_gone(self) -> bool:
         """Its process has ended, as this node's /proc shows (False where it cannot be read)."""

@@ -24,6 +24,7 @@ module by name (as a local launcher names worker_main) and wraps the class with 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import shutil
@@ -36,7 +37,7 @@ import time
 
 from workbench._src.placements.local.channel import LinkInbox
 from workbench._src.placements.local.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
-from workbench._src.placements.proc import boot_id, process_start_ticks
+from workbench._src.placements.proc import STACKS_FILE, STACKS_SIGNAL, boot_id, process_start_ticks
 
 # A member's heartbeat period: well under the launcher's heartbeat_timeout (10 s by default), so
 # a few late beats are not silence; as a local member's.
@@ -127,6 +128,10 @@ class Member:
         tempfile.tempdir = self.tmp_dir
         self.cleaner = _start_cleaner(self.tmp_dir)
         self.watching = False
+        # Where it dumps its threads' stacks when the launcher finds it silent (a file in its
+        # temp folder: the launcher reads it there when it runs on the launcher's machine).
+        self.stacks_file = open(os.path.join(self.tmp_dir, STACKS_FILE), "a")  # noqa: SIM115 - kept open
+        faulthandler.register(STACKS_SIGNAL, file=self.stacks_file, all_threads=True)
 
     def where(self) -> dict:
         """This process's node address, pid, and a port free on its node for its TF server."""
@@ -134,7 +139,9 @@ class Member:
 
         if not self.watching:  # (here, inside Ray: the constructor may run without it)
             self.watching = True
-            threading.Thread(target=self._leave_when_cut_off, name="workbench cut-off watch", daemon=True).start()
+            threading.Thread(
+                target=self._leave_when_cut_off, name="workbench cut-off watch", daemon=True
+            ).start()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
