@@ -31,6 +31,7 @@ from workbench._src.placements.proc import (
     process_cpu_seconds,
     process_cpu_wait,
     process_start_ticks,
+    process_stopped,
     same_process_running,
 )
 
@@ -126,6 +127,8 @@ class RayMember:
         def signal_it() -> bool:
             if not (self._cpu_readable and same_process_running(self.pid, self._started)):
                 return False  # (another machine, or its pid is another process's by now)
+            if process_stopped(self.pid):
+                return False  # (it writes nothing until continued)
             try:
                 os.kill(self.pid, STACKS_SIGNAL)
                 return True
