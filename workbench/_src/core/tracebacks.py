@@ -300,7 +300,8 @@ def work_stack(dump: str, frames: int = 12) -> str:
     work = next((b for b in blocks if re.search(r'launch[/\\]member\.py", line \d+ in serve', b)), blocks[0])
     out, outside = [], False
     for match in filter(None, map(_DUMPED.match, work.splitlines())):
-        filename, lineno, name = match["file"], int(match["line"]), match["name"]
+        lineno, name = int(match["line"]), match["name"]
+        filename = _origin(match["file"], lineno, name)
         ours = filename.startswith(_PACKAGE + os.sep)
         if (ours and outside) or len(out) == frames:
             break
@@ -316,20 +317,24 @@ def work_stack(dump: str, frames: int = 12) -> str:
 _FORMATTED = re.compile(r'^(?P<indent>\s*)File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
 
 
-def cells_named(text: str) -> str:
-    """A traceback formatted in a worker process, its frames named as this process names them: a
-    frame in a notebook cell (a function sent from the notebook) as IPython names the cell ("Cell
-    In[3]"), with the cell's line, which only the notebook's kernel has."""
+def frames_named(text: str) -> str:
+    """A traceback formatted in a worker process, its frames named as this process names them:
+    a function sent by value (cloudpickle's "<dynamic-code>") by the file it came from, a frame
+    in a notebook cell as IPython names the cell ("Cell In[3]"), with the line, which only this
+    process (the notebook's kernel) may have."""
     lines, out = text.splitlines(), []
     for i, line in enumerate(lines):
         found = _FORMATTED.match(line)
-        where = _where(found["file"]) if found else ""
-        if not found or where.startswith("File "):
+        if not found:
             out.append(line)
             continue
         indent, lineno = found["indent"], int(found["line"])
-        out.append(f"{indent}{where}, line {lineno}, in {found['name']}")
-        source = linecache.getline(found["file"], lineno).strip()
+        filename = _origin(found["file"], lineno, found["name"])
+        if filename == found["file"] and _where(filename).startswith("File "):
+            out.append(line)
+            continue
+        out.append(f"{indent}{_where(filename)}, line {lineno}, in {found['name']}")
+        source = linecache.getline(filename, lineno).strip()
         listed = (
             i + 1 < len(lines)
             and lines[i + 1].startswith(indent + "  ")
@@ -338,6 +343,33 @@ def cells_named(text: str) -> str:
         if source and not listed:
             out.append(f"{indent}  {source}")
     return "\n".join(out)
+
+
+DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for a function's code sent by value
+_shipped: dict[tuple[str, str, int], int] = {}  # (file, function, first line) -> last line
+
+
+def remember_shipped_code(code: types.CodeType) -> None:
+    """Where a function sent to the workers by value (and those defined in it) came from."""
+    stack = [code]
+    while stack:
+        code = stack.pop()
+        last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+        _shipped[(code.co_filename, code.co_name, code.co_firstlineno)] = last
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _origin(filename: str, lineno: int, name: str) -> str:
+    """The file of a worker's frame: a "<dynamic-code>" frame's, from the functions this process
+    sent (the innermost one of that name around the line; the newest sent when several match)."""
+    if filename != DYNAMIC_CODE:
+        return filename
+    around = [
+        (first, file)
+        for (file, fn, first), last in _shipped.items()
+        if fn == name and first <= lineno <= last
+    ]
+    return max(around)[1] if around else filename
 
 
 def _where(filename: str) -> str:

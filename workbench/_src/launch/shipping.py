@@ -29,11 +29,10 @@ from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.replicator import Replicator
 from workbench._src.core.run_loop import PreemptOnSigterm
 from workbench._src.core.tf_setup import tf
-from workbench._src.core.tracebacks import cause_line, shown_text
+from workbench._src.core.tracebacks import cause_line, remember_shipped_code, shown_text
 from workbench._src.launch.runtime import TASK_ENV
 
 IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
-DYNAMIC_CODE = "<dynamic-code>"  # cloudpickle's file name for a code object it sends by value
 
 
 class TrainWork:
@@ -198,13 +197,12 @@ def _stateless_pickler_class():
         """cloudpickle that refuses TensorFlow state (models, variables, optimizers) and says so."""
 
         def reducer_override(self, obj):
-            reduce_code = self.dispatch_table.get(types.CodeType) if isinstance(obj, types.CodeType) else None
-            if reduce_code is not None:
-                # cloudpickle names every function it sends by value "<dynamic-code>" (a payload
-                # that does not depend on where it was defined); a worker's traceback, and a
-                # silent member's stack, then could not say which file or cell a frame is in.
-                rebuild, args = reduce_code(obj)
-                return rebuild, tuple(obj.co_filename if a == DYNAMIC_CODE else a for a in args)
+            if isinstance(obj, types.CodeType):
+                # cloudpickle sends a function's code by value as "<dynamic-code>" (a payload
+                # that does not say where it was defined; a worker then does not read, or
+                # AutoGraph-convert, its source): this process keeps where each one came from,
+                # to name the frames of a worker's traceback (tracebacks.frames_named).
+                remember_shipped_code(obj)
             if _is_tensorflow_state(obj) and not _is_harmless_tf_value(obj):
                 raise pickle.PicklingError(
                     f"a {type(obj).__module__}.{type(obj).__qualname__} object (TensorFlow state)"

@@ -13,7 +13,7 @@ import time
 from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.tf_messages import unhealthy_task
-from workbench._src.core.tracebacks import cells_named, full_tracebacks, work_stack
+from workbench._src.core.tracebacks import frames_named, full_tracebacks, work_stack
 from workbench._src.launch.heal import replaced_in_run
 from workbench._src.launch.start_progress import StartDeadline, phase_text, startup_phases
 
@@ -401,7 +401,7 @@ class Watch:
         # Any other error of the user's code: the process and the cause's own sentence first,
         # then the frames of their code in that process (every frame under WORKBENCH_TRACEBACKS=full).
         full = full_tracebacks() or not error.get("shown")
-        shown = cells_named(_trim_traceback(error.get("traceback", "")) if full else error["shown"].strip())
+        shown = frames_named(_trim_traceback(error.get("traceback", "")) if full else error["shown"].strip())
         raise WorkerError(
             f"{_label(first)}: {error.get('cause') or summary}\n--- {_label(first)}'s traceback ---\n"
             f"{shown}\n(The {self.launcher.backend} run failed{self._at_step()}"
