@@ -158,3 +158,27 @@ def test_tensorflows_runtime_error_texts_give_their_sentence():
     data = "Graph execution error:\n\nDetected at node assert/Assert defined at (most recent call last):\n"
     data += "<stack traces unavailable>\nassertion failed: [batch must be 64] [x = ] [32]\n\t [[{{node assert/Assert}}]]"
     assert op_error_sentence(data) == ("assertion failed: [batch must be 64] [x = ] [32]", "assert/Assert")
+
+
+def test_a_function_sent_by_value_is_named_by_its_file_in_a_workers_traceback(tmp_path):
+    # cloudpickle sends a function's code as "<dynamic-code>": what a worker raises from it is
+    # named back by the file it came from, with its line, on the sending side.
+    import traceback
+
+    import cloudpickle
+
+    from workbench._src.launch.shipping import dumps_for_workers
+
+    path = tmp_path / "experiment.py"
+    path.write_text(
+        "def build():\n    def step_fn(x):\n        return x * learning_rat\n    return step_fn\n"
+    )
+    namespace = {"__name__": "experiment_not_importable"}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    shipped = cloudpickle.loads(dumps_for_workers(namespace["build"]()))  # what a worker runs
+    with pytest.raises(NameError) as caught:
+        shipped(2)
+    in_worker = "".join(traceback.format_exception(caught.value))
+    assert 'File "<dynamic-code>", line 3, in step_fn' in in_worker, in_worker
+    named = tracebacks.frames_named(in_worker)
+    assert f'  File "{path}", line 3, in step_fn\n    return x * learning_rat\n' in named, named

@@ -355,7 +355,9 @@ def remember_shipped_code(code: types.CodeType) -> None:
     while stack:
         code = stack.pop()
         last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
-        _shipped[(code.co_filename, code.co_name, code.co_firstlineno)] = last
+        key = (code.co_filename, code.co_name, code.co_firstlineno)
+        _shipped.pop(key, None)  # (sent again: now the newest)
+        _shipped[key] = last
         stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
 
 
@@ -365,11 +367,11 @@ def _origin(filename: str, lineno: int, name: str) -> str:
     if filename != DYNAMIC_CODE:
         return filename
     around = [
-        (first, file)
-        for (file, fn, first), last in _shipped.items()
+        (first, order, file)
+        for order, ((file, fn, first), last) in enumerate(_shipped.items())
         if fn == name and first <= lineno <= last
     ]
-    return max(around)[1] if around else filename
+    return max(around)[2] if around else filename
 
 
 def _where(filename: str) -> str:
