@@ -59,14 +59,7 @@ HEALTH_CHECK_PERIOD_MS, HEALTH_CHECK_TIMEOUT_MS = 5000, 10000
 # How many times a start is tried (a try that stalled is ended, then tried again).
 LOCAL_START_ATTEMPTS = 2
 # The ports of the raylet's agents (RayParams fields), chosen before the start (_start_settings).
-# (The metrics export port too: a raylet aborted waiting for its file, "Timed out waiting for file
-# .../metrics_export_port_<node>", twice in one start beside a loaded suite; ray-project/ray#65983.)
-_AGENT_PORTS = (
-    "metrics_agent_port",
-    "metrics_export_port",
-    "dashboard_agent_listen_port",
-    "runtime_env_agent_port",
-)
+_AGENT_PORTS = ("metrics_agent_port", "dashboard_agent_listen_port", "runtime_env_agent_port")
 LOOPBACK = "127.0.0.1"
 # What the instance's processes read at their start (Ray's own settings, RayConfig and env):
 _START_ENV = {
