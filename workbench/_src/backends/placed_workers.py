@@ -45,9 +45,9 @@ class PlacedWorkers:
         answered = []
         for news in placement_news():
             index, kind = news["index"], news["kind"]
-            if news.get("number") in self.heard:
+            if news["number"] in self.heard:
                 continue
-            self.heard.add(news.get("number"))
+            self.heard.add(news["number"])
             if kind == "lost":
                 self.lost[index] = {**news, "step": run.steps, "heard": time.monotonic()}
                 then = (

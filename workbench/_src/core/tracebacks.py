@@ -276,13 +276,17 @@ def shown_text(error: BaseException) -> str:
 def format_frames(tb) -> str:
     """'  File "...", line N, in name' and its source line for each entry, as Python prints
     them; the line of a cell shipped to a worker process comes from `remember_source`."""
-    out = []
-    for frame in traceback.extract_tb(tb):
-        out.append(f"  {_where(frame.filename)}, line {frame.lineno}, in {frame.name}\n")
-        line = frame.line or _remembered_line(frame.filename, frame.lineno)
-        if line:
-            out.append(f"    {line.strip()}\n")
-    return "".join(out)
+    return "".join(_frame_text(f.filename, f.lineno, f.name) + "\n" for f in traceback.extract_tb(tb))
+
+
+def _frame_text(filename: str, lineno: int, name: str, indent: str = "  ", source: bool = True) -> str:
+    """One frame as Python prints it ('File "..."' or 'Cell In[n]', line, function) and, with
+    `source`, its line below (from linecache, or a shipped cell's `remember_source`)."""
+    text = f"{indent}{_where(filename)}, line {lineno}, in {name}"
+    line = (
+        (linecache.getline(filename, lineno) or _remembered_line(filename, lineno)).strip() if source else ""
+    )
+    return f"{text}\n{indent}  {line}" if line else text
 
 
 _DUMPED = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
@@ -306,11 +310,7 @@ def work_stack(dump: str, frames: int = 12) -> str:
         if (ours and outside) or len(out) == frames:
             break
         outside = outside or not ours
-        line = linecache.getline(filename, lineno) or _remembered_line(filename, lineno)
-        out.append(
-            f"  {_where(filename)}, line {lineno}, in {name}"
-            + (f"\n    {line.strip()}" if line.strip() else "")
-        )
+        out.append(_frame_text(filename, lineno, name))
     return "\n".join(out)
 
 
@@ -333,15 +333,12 @@ def frames_named(text: str) -> str:
         if filename == found["file"] and _where(filename).startswith("File "):
             out.append(line)
             continue
-        out.append(f"{indent}{_where(filename)}, line {lineno}, in {found['name']}")
-        source = linecache.getline(filename, lineno).strip()
-        listed = (
+        listed = (  # (its source line is there already: a file the worker could read)
             i + 1 < len(lines)
             and lines[i + 1].startswith(indent + "  ")
             and not _FORMATTED.match(lines[i + 1])
         )
-        if source and not listed:
-            out.append(f"{indent}  {source}")
+        out.append(_frame_text(filename, lineno, found["name"], indent, source=not listed))
     return "\n".join(out)
 
 

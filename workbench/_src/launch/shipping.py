@@ -62,7 +62,6 @@ class TrainWork:
             self.step_fn, self.input_fn, self.steps, setup=setup,
             background=True, sinks=[forward], **self.options,
         )  # fmt: skip
-
         # The launcher's stop requests (run.stop(), the Stop button, an interrupt, its own
         # preemption) come through the link's one reader (channel.ParentLink.start_reader), for
         # this run only.

@@ -34,14 +34,15 @@ STACKS_WAIT = 5.0
 STACKS_SETTLE = 0.3
 
 
-def dumped_stacks(signal_it, path) -> str:
-    """What a process's faulthandler wrote to `path` after `signal_it()` sent it STACKS_SIGNAL
-    (False: it could not be sent); "" when nothing came within STACKS_WAIT."""
+def dumped_stacks(pid: int, signal_it, path) -> str:
+    """What process `pid`'s faulthandler wrote to `path` after `signal_it()` sent it
+    STACKS_SIGNAL (False: it could not be sent); "" when nothing came within STACKS_WAIT, or the
+    process is stopped (it runs no handler until continued: it is not asked)."""
     try:
         before = os.stat(path).st_size
     except OSError:
         return ""
-    if not signal_it():
+    if process_stopped(pid) or not signal_it():
         return ""
     size, deadline, settled = before, time.monotonic() + STACKS_WAIT, None
     while time.monotonic() < deadline:

@@ -46,7 +46,6 @@ from workbench._src.placements.local import fork_client, netns
 from workbench._src.placements.proc import (
     STACKS_SIGNAL,
     dumped_stacks,
-    process_stopped,
     processes_cpu_seconds,
     processes_cpu_wait,
 )
@@ -170,9 +169,7 @@ class Child:
         STACKS_SIGNAL (worker_main registers it); "" when it wrote none within STACKS_WAIT."""
 
         def signal_it() -> bool:
-            # (a stopped process writes nothing; without a pidfd the signal could reach another
-            # process that took the pid)
-            if self.pidfd is None or process_stopped(self.pid):
+            if self.pidfd is None:  # (the signal could reach another process that took the pid)
                 return False
             try:
                 signal.pidfd_send_signal(self.pidfd, STACKS_SIGNAL)
@@ -180,7 +177,7 @@ class Child:
             except OSError:
                 return False
 
-        return dumped_stacks(signal_it, self.log_path)
+        return dumped_stacks(self.pid, signal_it, self.log_path)
 
     def log_tail(self, lines: int = 15) -> str:
         try:

@@ -31,7 +31,6 @@ from workbench._src.placements.proc import (
     process_cpu_seconds,
     process_cpu_wait,
     process_start_ticks,
-    process_stopped,
     same_process_running,
 )
 
@@ -127,15 +126,13 @@ class RayMember:
         def signal_it() -> bool:
             if not (self._cpu_readable and same_process_running(self.pid, self._started)):
                 return False  # (another machine, or its pid is another process's by now)
-            if process_stopped(self.pid):
-                return False  # (it writes nothing until continued)
             try:
                 os.kill(self.pid, STACKS_SIGNAL)
                 return True
             except OSError:
                 return False
 
-        return dumped_stacks(signal_it, os.path.join(self.tmp_dir, STACKS_FILE))
+        return dumped_stacks(self.pid, signal_it, os.path.join(self.tmp_dir, STACKS_FILE))
 
     def process_gone(self) -> bool:
         """Its process has ended, as this node's /proc shows (False where it cannot be read)."""
