@@ -204,6 +204,73 @@ def test_the_cli_says_what_a_ray_start_waits_for_in_order(tmp_path):
     assert at[-1] < first_step, "\n".join(lines)
 
 
+# Starts a local instance while its dashboard agent is held stopped (SIGSTOP) for HELD seconds from
+# the moment it appears: an agent starved on a loaded machine, past the fixed 15 s that the raylet
+# waits for the ports the agent writes. Prints how the start went and what the raylet logged.
+A_START_WITH_A_HELD_AGENT = """
+import contextlib, json, os, signal, sys, threading, time
+import psutil
+import workbench as wb
+from workbench._src.placements.ray.local_start import raylet_last_error
+
+HELD = float(sys.argv[1])
+held = []
+
+def hold(pid):
+    with contextlib.suppress(ProcessLookupError):  # (a failed try's agent is killed meanwhile)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(HELD)
+        os.kill(pid, signal.SIGCONT)
+
+def hold_the_agent():  # (each try's agent: a start tried again would meet a fresh one)
+    while True:
+        for child in psutil.Process().children(recursive=True):
+            try:
+                command, parent = child.cmdline(), psutil.Process(child.ppid()).cmdline()
+            except psutil.Error:
+                continue
+            # (the raylet's agent, as soon as it is there: "python [-u] .../dashboard/agent.py ...")
+            if child.pid not in held and parent[:1] and parent[0].endswith("/raylet") and any(
+                arg.endswith("dashboard/agent.py") for arg in command[1:3]
+            ):
+                held.append(child.pid)
+                threading.Thread(target=hold, args=(child.pid,), daemon=True).start()
+        time.sleep(0.02)
+
+threading.Thread(target=hold_the_agent, daemon=True).start()
+cluster = wb.RayCluster(address=None)
+result = {"started": False}
+try:
+    ray = cluster.connect()
+    result["started"] = bool(ray.nodes())
+except Exception as error:
+    result["error"] = str(error)
+result["held"] = len(held)
+result["raylet_error"] = raylet_last_error(cluster.local_root)
+cluster.shutdown()
+print(json.dumps(result), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_start_whose_dashboard_agent_is_starved_past_rays_fixed_wait_succeeds(tmp_path):
+    """Ray's raylet reads two of its dashboard agent's ports from files the agent writes once it
+    serves, and aborts the node when they are missing after a fixed 15 s; a starved agent (here
+    held stopped for 25 s) made local starts fail on a loaded machine. The start writes those
+    files itself (the ports were chosen before it), so the raylet waits for nothing it would
+    abort over, and the node comes up once the agent runs again."""
+    done = subprocess.run(
+        [sys.executable, "-c", A_START_WITH_A_HELD_AGENT, "25"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["held"] == 1, said  # (the agent was found and held, and the first try started)
+    assert said["started"], said
+    assert "Timed out waiting for file" not in said["raylet_error"], said
+
+
 def test_a_raylet_gone_at_start_is_said_with_its_last_error(tmp_path):
     # A failed try's Ray folder is removed with its processes, so the raylet's own account of its
     # end is read first and said with "its raylet is gone". The lines are in Ray 2.60's format.

@@ -295,12 +295,27 @@ def checkpoint_tensors_by_key(checkpoint) -> dict | None:
 def ray_start_internals(ray) -> tuple:
     """Ray: the three private parts a local instance's start replaces for the length of its own
     ray.init (placements/ray/local_start.py, decision 37): `services` (its `get_node` is the node
-    query that Node's fixed 30-s loop asks), `RayParams` (its `update_pre_selected_port` is where
-    the agents' ports are filled in) and `ray_constants` (its `ENABLE_RAY_CLUSTER` off keeps
-    127.0.0.1 the node's address, so every server binds loopback). No public API sets how long a
-    start waits for its node or where a single-machine instance listens. Remove when Ray does."""
+    query that Node's fixed 30-s loop asks, its `start_raylet` where the raylet is started),
+    `RayParams` (its `update_pre_selected_port` is where the agents' ports are filled in) and
+    `ray_constants` (its `ENABLE_RAY_CLUSTER` off keeps 127.0.0.1 the node's address, so every
+    server binds loopback). No public API sets how long a start waits for its node or where a
+    single-machine instance listens. Remove when Ray does."""
     private = ray._private
     return private.services, private.parameter.RayParams, private.ray_constants
+
+
+def ray_write_port_files(session_dir: str, node_id: str, ports: dict) -> None:
+    """Ray: writes the port files a starting raylet waits for (`ray._raylet.persist_port`, the
+    writer Ray's agents use; `ports` maps each file's name, e.g. "metrics_export_port", to its
+    port), for a local instance whose agents' ports were chosen before its start
+    (placements/ray/local_start.py, decision 37). No public API says a port to the raylet; where
+    Ray has no such writer, nothing is written (the raylet then waits for its agent as Ray has it)."""
+    try:
+        from ray._raylet import persist_port
+    except ImportError:
+        return
+    for name, port in ports.items():
+        persist_port(session_dir, node_id, name, int(port))
 
 
 def ray_connect_state_accessor(ray) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import os
 import secrets
 import shutil
@@ -32,7 +33,7 @@ import signal
 import socket
 import time
 
-from workbench._src.compat import ray_connect_state_accessor, ray_start_internals
+from workbench._src.compat import ray_connect_state_accessor, ray_start_internals, ray_write_port_files
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.owned_folders import pid_alive
 from workbench._src.launch.start_progress import Phases, say
@@ -59,7 +60,14 @@ HEALTH_CHECK_PERIOD_MS, HEALTH_CHECK_TIMEOUT_MS = 5000, 10000
 # How many times a start is tried (a try that stalled is ended, then tried again).
 LOCAL_START_ATTEMPTS = 2
 # The ports of the raylet's agents (RayParams fields), chosen before the start (_start_settings).
-_AGENT_PORTS = ("metrics_agent_port", "dashboard_agent_listen_port", "runtime_env_agent_port")
+_AGENT_PORTS = (
+    "metrics_agent_port",
+    "metrics_export_port",
+    "dashboard_agent_listen_port",
+    "runtime_env_agent_port",
+)
+# Those whose port files the raylet waits for however it is started (_agent_port_files).
+_PORT_FILES = ("metrics_export_port", "dashboard_agent_listen_port")
 LOOPBACK = "127.0.0.1"
 # What the instance's processes read at their start (Ray's own settings, RayConfig and env):
 _START_ENV = {
@@ -107,7 +115,12 @@ def _start_tried_twice(ray, init: dict, root: str) -> None:
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         again = f" again (try {attempt}: the last one failed, {failed})" if failed else ""
         try:
-            with Phases() as phases, _start_settings(ray), _node_waited_for(ray, root, phases):
+            with (
+                Phases() as phases,
+                _start_settings(ray),
+                _agent_port_files(ray),
+                _node_waited_for(ray, root, phases),
+            ):
                 phases.now(f"starting the Ray head (GCS and raylet) on this machine{again}")
                 ray.init(**init, _node_ip_address=LOOPBACK)
                 # Ray connects its state accessor (ray.nodes(), free resources per node) on first
@@ -146,7 +159,8 @@ def _start_settings(ray):
     def with_agent_ports(self):
         # The raylet waits a short fixed time for its agents (Python processes, slow to import on
         # a loaded machine) to write the ports they picked, then aborts: measured, a raylet
-        # gave up after 16 s. Ports chosen here are known to it from the start.
+        # gave up after 16 s. Ports chosen here are known to it from the start (and the two
+        # it reads from files in any case are written for it: _agent_port_files).
         for name, port in zip(_AGENT_PORTS, _free_loopback_ports(len(_AGENT_PORTS))):
             if not getattr(self, name, None):
                 setattr(self, name, port)
@@ -163,6 +177,36 @@ def _start_settings(ray):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _agent_port_files(ray):
+    """The raylet reads two of its agents' ports from files the dashboard agent writes once it
+    serves (its metrics export and HTTP ports), and aborts the node when they are not there
+    within a fixed 15 s (no setting; ray-project/ray#65983): on a loaded machine the agent, a
+    Python process importing Ray's dashboard, takes longer. The ports were chosen before the
+    start (_start_settings) and given to the agent, so the files are written here, with Ray's own
+    writer, just before the raylet starts: it reads them at once, and the agent later writes the
+    same ports again. The agent's registration keeps its own wait (RAY_agent_register_timeout_ms)."""
+    services, _, _ = ray_start_internals(ray)
+    start_raylet = services.start_raylet
+    parameters = inspect.signature(start_raylet)
+
+    def start_raylet_with_port_files(*args, **kwargs):
+        given = parameters.bind(*args, **kwargs).arguments
+        ports = {name: given.get(name) for name in _PORT_FILES}
+        where = given.get("session_dir"), given.get("node_id")
+        # (ports chosen by us only: one left to the agent is its to write; where Ray renamed the
+        # parameters, nothing is written and the raylet waits as Ray has it)
+        if all(ports.values()) and all(where):
+            ray_write_port_files(*where, ports)
+        return start_raylet(*args, **kwargs)
+
+    services.start_raylet = start_raylet_with_port_files
+    try:
+        yield
+    finally:
+        services.start_raylet = start_raylet
 
 
 def _free_loopback_ports(count: int) -> list[int]:
