@@ -10,6 +10,11 @@ actor on this machine is a process here too). Printed, per process: RSS after ru
 the last, and the growth between them (issue 39's goal: within 5%). The anchor is the pool's own
 10th run, so start-up and the first traces are not counted as growth.
 
+The multi-worker pool gets a second anchor: two processes of TensorFlow alone (a bare
+MultiWorkerMirroredStrategy cluster on loopback) train the same model the same number of runs, a
+new model and a new tf.function a run. Printed: their growth from run 10 to the last, beside the
+pool's, so what TensorFlow itself keeps is told apart from what the workbench adds.
+
 The async-ps parameter server also gets a second anchor: a bare ParameterServerStrategy cluster
 (TensorFlow alone, no workbench code: a ps and two worker servers, this bench's child as the
 coordinator) trains the same model the same number of runs, one traced step per run. Printed:
@@ -111,6 +116,14 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
         values = [seen[n].get(name, float("nan")) for n in marks]
         growth = 100 * (values[-1] / values[0] - 1)
         print(f"  {name:<14} {' '.join(f'{v:7.1f}' for v in values)}   {growth:+5.1f}%  (goal within 5%)")
+    if backend == "multi-worker":
+        bare = bare_tensorflow_worker_rss(runs)
+        for index, values in enumerate(bare):
+            growth = 100 * (values[-1] / values[CHECKPOINTS[0] - 1] - 1)
+            print(
+                f"  bare MultiWorkerMirroredStrategy worker {index} (TensorFlow alone, the anchor): "
+                f"{values[CHECKPOINTS[0] - 1]:.1f} -> {values[-1]:.1f} MiB, {growth:+.1f}% from run 10 to {runs}"
+            )
     if ps_gains:
         ours = sum(ps_gains) / len(ps_gains)
         bare = bare_tensorflow_ps_gain(runs)
@@ -130,6 +143,60 @@ def bare_tensorflow_ps_gain(runs: int) -> float:
     )  # fmt: skip
     rss = json.loads(done.stdout.strip().splitlines()[-1])
     return (rss[-1] - rss[CHECKPOINTS[0] - 1]) / (runs - CHECKPOINTS[0])
+
+
+def bare_tensorflow_worker_rss(runs: int) -> list[list[float]]:
+    """The multi-worker anchor: two processes of TensorFlow alone, a MultiWorkerMirroredStrategy
+    cluster on loopback, each training the digits model `runs` times (a new model and a new
+    tf.function a run, 20 steps, then Keras's session cleared, as a warm pool's runs are). Returns
+    each worker's RSS (MiB) after every run."""
+    from workbench._src.placements.local.processes import free_ports
+
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--bare-mw-worker", str(runs)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "TF_CPP_MIN_LOG_LEVEL": "3",
+                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+            },
+        )
+        for index in range(2)
+    ]
+    found = []
+    for worker in workers:
+        out, _ = worker.communicate()
+        if worker.returncode:
+            raise RuntimeError(f"the bare multi-worker anchor's worker failed (exit {worker.returncode})")
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    return found
+
+
+def bare_mw_worker(runs: int) -> None:
+    """One worker of the multi-worker anchor (TF_CONFIG names it); prints its RSS after each run."""
+    import gc
+
+    import keras
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    me, rss = psutil.Process(), []
+    for _ in range(runs):
+        with strategy.scope():
+            step_fn, input_fn = digits_setup(bare_replicator())
+        dataset = strategy.distribute_datasets_from_function(input_fn)
+        iterator = iter(dataset)
+        step = make_step(tf, strategy, step_fn)
+        for _ in range(20):
+            step(iterator)
+        del step, step_fn, input_fn, dataset, iterator
+        keras.backend.clear_session(free_memory=False)
+        gc.collect()
+        rss.append(me.memory_info().rss / 2**20)
+    print(json.dumps(rss), flush=True)
 
 
 BARE_SERVER = """
@@ -217,9 +284,13 @@ def main() -> None:
     parser.add_argument("--backends", default="multi-worker,async-ps")
     parser.add_argument("--cluster", help="place the pools on Ray: ray, ray=ADDRESS or ray=local")
     parser.add_argument("--bare-ps-child", type=int, help=argparse.SUPPRESS)  # (the anchor's process)
+    parser.add_argument("--bare-mw-worker", type=int, help=argparse.SUPPRESS)  # (an anchor's worker)
     args = parser.parse_args()
     if args.bare_ps_child:
         bare_ps_child(args.bare_ps_child)
+        return
+    if args.bare_mw_worker:
+        bare_mw_worker(args.bare_mw_worker)
         return
     if args.runs <= CHECKPOINTS[0]:
         parser.error(
