@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import psutil
 
@@ -153,10 +154,12 @@ def bare_tensorflow_worker_rss(runs: int) -> list[list[float]]:
     from workbench._src.placements.local.processes import free_ports
 
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
     workers = [
         subprocess.Popen(
             [sys.executable, __file__, "--bare-mw-worker", str(runs)],
             stdout=subprocess.PIPE,
+            stderr=logs[index],  # (TensorFlow's start-up lines; said only if the worker fails)
             text=True,
             env={
                 **os.environ,
@@ -167,10 +170,13 @@ def bare_tensorflow_worker_rss(runs: int) -> list[list[float]]:
         for index in range(2)
     ]
     found = []
-    for worker in workers:
+    for worker, log in zip(workers, logs):
         out, _ = worker.communicate()
         if worker.returncode:
-            raise RuntimeError(f"the bare multi-worker anchor's worker failed (exit {worker.returncode})")
+            log.seek(0)
+            raise RuntimeError(
+                f"the bare multi-worker anchor's worker failed (exit {worker.returncode}):\n{log.read()[-3000:]}"
+            )
         found.append(json.loads(out.strip().splitlines()[-1]))
     return found
 
