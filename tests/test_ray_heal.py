@@ -134,5 +134,9 @@ def test_an_async_ps_worker_whose_node_is_lost_stays_dropped_and_the_run_goes_on
     workers = result["workers"]
     assert workers[0] == 2 and workers[-1] == 1, workers
     assert result["restarts"] == [], result["restarts"]
-    assert result["stop_s"] < 10, result
+    # A stop after the fault waits for no fault's timeout (worker_timeout, 60 s; the hangs this
+    # guards against lasted 120-400 s). Measured: 2.7-3.7 s on a quiet machine and 6-8 s at load
+    # 5-24 (bench_ray_cut.py, which keeps the 10 s), 10.2 s in a loaded suite run. Half of
+    # worker_timeout, as above, tells a stop from a wait for the lost worker on a busy machine.
+    assert result["stop_s"] < 30, result
     assert not any("could not take" in t for t in result["said"]), result["said"]  # (no new server tried)
