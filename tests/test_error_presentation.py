@@ -182,3 +182,45 @@ def test_a_function_sent_by_value_is_named_by_its_file_in_a_workers_traceback(tm
     assert 'File "<dynamic-code>", line 3, in step_fn' in in_worker, in_worker
     named = tracebacks.frames_named(in_worker)
     assert f'  File "{path}", line 3, in step_fn\n    return x * learning_rat\n' in named, named
+
+
+def test_a_silent_members_heartbeat_is_shown_only_when_it_was_held(tmp_path):
+    # A real faulthandler dump of this process, as a member writes one when the watch finds it
+    # silent: a heartbeat thread held outside its sleep (here, on a lock) is shown with where it
+    # was; one asleep between beats is not, nor is any other thread, held or not.
+    import faulthandler
+    import threading
+    import time
+
+    held = threading.Lock()
+
+    def asleep():
+        def beat():  # (the member's heartbeat thread has this name)
+            time.sleep(30)
+
+        return beat
+
+    def blocked():
+        def beat():
+            with held:
+                pass
+
+        return beat
+
+    def stream():  # (another thread of the member, held too: never shown)
+        with held:
+            pass
+
+    held.acquire()
+    try:
+        for target in (asleep(), blocked(), stream):
+            threading.Thread(target=target, daemon=True).start()
+        time.sleep(0.3)  # (each thread at its place)
+        with open(tmp_path / "stacks.txt", "w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            shown = tracebacks.heartbeat_stack(f.read())
+    finally:
+        held.release()
+    assert shown.count("in beat") == 1 and "with held:" in shown, shown
+    assert "sleep(30)" not in shown and "in stream" not in shown, shown

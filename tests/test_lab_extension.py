@@ -1066,6 +1066,12 @@ CUT_TEXTS_JS = """(root) => {
   return [...new Set(cut)];
 }"""
 
+# CUT_TEXTS_JS on a cell's dashboard (the run's live widget), or null while the cell has none.
+DASHBOARD_CUT_JS = (
+    "(cell) => { const dash = document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell')"
+    f"[cell].querySelector('.widget-vbox'); return dash ? ({CUT_TEXTS_JS})(dash) : null; }}"
+)
+
 # One instant of every live view of the run whose dashboard is in cell CELL: the dashboard's
 # header (its snapshot and step), its progress bar's step, its figure's last step (tooltip), the
 # sidebar card and the status bar (their snapshot, step and steps/s) and the kernel's state.
@@ -1159,6 +1165,8 @@ def _sample_live_views(page, cell: int, count: int) -> list[dict]:
         seen = page.evaluate(LIVE_VIEWS_JS, cell)
         drawn = (seen["plot_step"] or 0) >= 2000 or samples
         if seen["header_seq"] and seen["card_seq"] and seen["bar_step"] is not None and drawn:
+            # (the dashboard's cut texts while it is there: a short run's ends with the run)
+            seen["cut"] = page.evaluate(DASHBOARD_CUT_JS, cell)
             samples.append(seen)
         page.wait_for_timeout(700)
     assert len(samples) == count, f"the views never all showed a snapshot: {samples[-1:] or seen}"
@@ -1306,7 +1314,9 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
                     page.screenshot(path=str(SCREENSHOTS / "live-foreground.png"))
                     idle = [s["kernel"] for s in samples if "| Busy" not in s["kernel"]]
                     assert not idle, f"the kernel did not say Busy while its cell trained: {idle}"
-                    cut = page.locator(".jp-Cell").nth(1).locator(".widget-vbox").first.evaluate(CUT_TEXTS_JS)
+                    seen = [s["cut"] for s in samples if s["cut"] is not None]
+                    assert seen, "the dashboard was never there while the views were sampled"
+                    cut = sorted({text for found in seen for text in found})
                     assert cut == [], f"cut in the dashboard: {cut}"
                     cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell").nth(1)
                     expect(

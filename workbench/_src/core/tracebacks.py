@@ -314,6 +314,25 @@ def work_stack(dump: str, frames: int = 12) -> str:
     return "\n".join(out)
 
 
+def heartbeat_stack(dump: str, frames: int = 6) -> str:
+    """Where a silent member's heartbeat thread (`beat`) was, from the same dump, when it was
+    held anywhere but its sleep between beats (a lock, a send that does not return): a member
+    that sat idle while its heartbeats stopped then says what held them. '' when it rests."""
+    held = []
+    for block in re.split(r"\n\s*\n", dump):
+        found = list(filter(None, map(_DUMPED.match, block.splitlines())))
+        innermost = found[0] if found else None
+        if (
+            not found
+            or innermost["name"] in ("get", "wait")
+            or "sleep(" in linecache.getline(innermost["file"], int(innermost["line"]))
+        ):
+            continue  # (asleep between beats, or waiting on a queue: at rest)
+        if "beat" in [match["name"] for match in found]:
+            held.append("\n".join(_frame_text(m["file"], int(m["line"]), m["name"]) for m in found[:frames]))
+    return "\n".join(held)
+
+
 _FORMATTED = re.compile(r'^(?P<indent>\s*)File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+)$')
 
 

@@ -13,7 +13,7 @@ import time
 from workbench._src.core import errors as workbench_errors
 from workbench._src.core.errors import WorkerError
 from workbench._src.core.tf_messages import unhealthy_task
-from workbench._src.core.tracebacks import frames_named, full_tracebacks, work_stack
+from workbench._src.core.tracebacks import frames_named, full_tracebacks, heartbeat_stack, work_stack
 from workbench._src.launch.heal import replaced_in_run
 from workbench._src.launch.start_progress import StartDeadline, phase_text, startup_phases
 
@@ -424,9 +424,11 @@ class Watch:
             tail = self._child(task).log_tail()  # (before the stacks, which go to the same log)
             if tail:
                 log = f"\n--- last lines of {_label(task)}'s log ---\n{tail}"
-            where = work_stack(self._child(task).stacks()) if stacks else ""
-            if where:
+            dump = self._child(task).stacks() if stacks else ""
+            if where := work_stack(dump):
                 log += f"\n--- where {_label(task)}'s work was (most recent call first) ---\n{where}"
+            if held := heartbeat_stack(dump):
+                log += f"\n--- where its heartbeat was held (most recent call first) ---\n{held}"
         backend = self.launcher.backend
         raise WorkerError(
             f"{backend} run failed: {text}{log}", task=_label(task) if task else None, cause=cause
