@@ -186,8 +186,10 @@ def _agent_port_files(ray):
     within a fixed 15 s (no setting; ray-project/ray#65983): on a loaded machine the agent, a
     Python process importing Ray's dashboard, takes longer. The ports were chosen before the
     start (_start_settings) and given to the agent, so the files are written here, with Ray's own
-    writer, just before the raylet starts: it reads them at once, and the agent later writes the
-    same ports again. The agent's registration keeps its own wait (RAY_agent_register_timeout_ms)."""
+    writer, just before the raylet starts: it reads them at once. The agent later writes its own
+    (the same ports, or -1 for a server it does not run: Ray installed without its dashboard's
+    extras, as here, serves neither). Its registration keeps its own wait
+    (RAY_agent_register_timeout_ms)."""
     services, _, _ = ray_start_internals(ray)
     start_raylet = services.start_raylet
     parameters = inspect.signature(start_raylet)
