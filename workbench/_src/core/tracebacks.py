@@ -292,18 +292,26 @@ def _frame_text(filename: str, lineno: int, name: str, indent: str = "  ", sourc
 _DUMPED = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
 
 
+def _dumped_threads(dump: str) -> list[tuple[str, list]]:
+    """The threads of a faulthandler dump: each block's text and its frames (matches of
+    _DUMPED), innermost first."""
+    blocks = [b for b in re.split(r"\n\s*\n", dump) if "most recent call first" in b]
+    return [(b, list(filter(None, map(_DUMPED.match, b.splitlines())))) for b in blocks]
+
+
 def work_stack(dump: str, frames: int = 12) -> str:
     """Where a member process's work is, from faulthandler's dump of its threads (asked of a
     silent member before it is ended): the thread in the workbench's serve loop (else the first),
     as a traceback's lines, innermost first, from the innermost frame to where the workbench
     called into the code that runs (below that, the workbench's own frames are every run's).
     '' when the dump has no thread."""
-    blocks = [b for b in re.split(r"\n\s*\n", dump) if "most recent call first" in b]
-    if not blocks:
+    threads = _dumped_threads(dump)
+    if not threads:
         return ""
-    work = next((b for b in blocks if re.search(r'launch[/\\]member\.py", line \d+ in serve', b)), blocks[0])
+    serving = (t for t in threads if re.search(r'launch[/\\]member\.py", line \d+ in serve', t[0]))
+    _, work = next(serving, threads[0])
     out, outside = [], False
-    for match in filter(None, map(_DUMPED.match, work.splitlines())):
+    for match in work:
         lineno, name = int(match["line"]), match["name"]
         filename = _origin(match["file"], lineno, name)
         ours = filename.startswith(_PACKAGE + os.sep)
@@ -319,17 +327,15 @@ def heartbeat_stack(dump: str, frames: int = 6) -> str:
     held anywhere but its sleep between beats (a lock, a send that does not return): a member
     that sat idle while its heartbeats stopped then says what held them. '' when it rests."""
     held = []
-    for block in re.split(r"\n\s*\n", dump):
-        found = list(filter(None, map(_DUMPED.match, block.splitlines())))
-        innermost = found[0] if found else None
-        if (
-            not found
-            or innermost["name"] in ("get", "wait")
-            or "sleep(" in linecache.getline(innermost["file"], int(innermost["line"]))
+    for _, found in _dumped_threads(dump):
+        if not found or "beat" not in [match["name"] for match in found]:
+            continue
+        innermost = found[0]
+        if innermost["name"] in ("get", "wait") or "sleep(" in linecache.getline(
+            innermost["file"], int(innermost["line"])
         ):
             continue  # (asleep between beats, or waiting on a queue: at rest)
-        if "beat" in [match["name"] for match in found]:
-            held.append("\n".join(_frame_text(m["file"], int(m["line"]), m["name"]) for m in found[:frames]))
+        held.append("\n".join(_frame_text(m["file"], int(m["line"]), m["name"]) for m in found[:frames]))
     return "\n".join(held)
 
 
