@@ -215,11 +215,15 @@ def test_a_silent_members_heartbeat_is_shown_only_when_it_was_held(tmp_path):
     try:
         for target in (asleep(), blocked(), stream):
             threading.Thread(target=target, daemon=True).start()
-        time.sleep(0.3)  # (each thread at its place)
-        with open(tmp_path / "stacks.txt", "w+") as f:
-            faulthandler.dump_traceback(f, all_threads=True)
-            f.seek(0)
-            shown = tracebacks.heartbeat_stack(f.read())
+        deadline = time.monotonic() + 60  # (until the held thread is at its lock: a busy machine)
+        while True:
+            with open(tmp_path / "stacks.txt", "w+") as f:
+                faulthandler.dump_traceback(f, all_threads=True)
+                f.seek(0)
+                shown = tracebacks.heartbeat_stack(f.read())
+            if "with held:" in shown or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         held.release()
     assert shown.count("in beat") == 1 and "with held:" in shown, shown
