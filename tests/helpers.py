@@ -228,6 +228,21 @@ def busy_worker_1_setup(seconds: float):
     return setup
 
 
+def asleep_worker_1_setup(seconds: int):
+    """Worker 1 sleeps `seconds` in one C call that holds Python's GIL (libc's sleep through
+    ctypes.PyDLL, which keeps it), as TensorFlow's calls that wait for a remote worker do: no
+    other thread of the process runs meanwhile, heartbeats included, and it uses no CPU."""
+
+    def setup(repl):
+        if repl.worker_id == 1:
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(seconds)
+        return regression_setup(repl)
+
+    return setup
+
+
 # How long a comm message is waited for (LabFrontend.read): what a loaded machine stretches, not
 # what the test checks.
 MESSAGE_WAIT = 600.0

@@ -173,7 +173,7 @@ def test_a_member_held_in_one_call_is_named_with_where_its_work_was(placement):
     used BUSY_SILENCE_LIMIT heartbeat timeouts of CPU time; before it is ended it is asked for its
     stacks (its faulthandler answers without the GIL: into its log, or a Ray actor's file in its
     temp folder), and the error shows where its work was, with the lines."""
-    from workbench._src.launch.watch import BUSY_SILENCE_LIMIT
+    from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT
 
     repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2, heartbeat_timeout=2))
     with pytest.raises(wb.WorkerError, match=r"worker 1 \(.*stopped responding.*kept a CPU busy") as caught:

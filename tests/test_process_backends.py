@@ -25,6 +25,7 @@ from helpers import (
     PROCESS_CELL,
     X,
     Y,
+    asleep_worker_1_setup,
     busy_worker_1_setup,
     make_model,
     process_pid,
@@ -224,7 +225,7 @@ def test_multi_worker_frozen_worker_is_named_within_30_seconds():
 def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit():
     # Its heartbeat thread cannot run while one call holds the GIL: late heartbeats with CPU time
     # used are a busy process (the run goes on), for at most BUSY_SILENCE_LIMIT timeouts.
-    from workbench._src.launch.watch import BUSY_SILENCE_LIMIT
+    from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT
 
     repl = wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=2)
     run = repl.train(setup=busy_worker_1_setup(4), steps=20)  # silent 4 s or more: 2 timeouts
@@ -242,6 +243,25 @@ def test_a_busy_worker_whose_heartbeats_are_late_is_not_frozen_until_the_limit()
     used = int(re.search(r"\((\d+) CPU-seconds", str(caught.value)).group(1))
     assert BUSY_SILENCE_LIMIT * 2 <= used < 2 * BUSY_SILENCE_LIMIT * 2, str(caught.value)
     # (where its work was, on both placements: test_pools.py)
+
+
+@pytest.mark.slow
+@pytest.mark.shares_warm_pool
+def test_a_worker_asleep_in_one_call_holding_the_gil_is_not_frozen_until_the_limit():
+    # No heartbeat and no CPU time, but not stopped: one call sleeps holding the GIL (TensorFlow
+    # waiting for a remote worker's answer). The run goes on for up to BUSY_SILENCE_LIMIT timeouts
+    # of such silence (a stopped worker is named after one: test_multi_worker_frozen_worker_...).
+    from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT
+
+    repl = wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=2)
+    run = repl.train(setup=asleep_worker_1_setup(6), steps=20)  # silent 6 s: 3 timeouts
+    assert run.status == "finished" and run.steps == 20
+    with pytest.raises(
+        wb.WorkerError,
+        match=r"worker 1 \(pid \d+\) stopped responding: no heartbeat for (\d+) s .*asleep in one call",
+    ) as caught:
+        repl.train(setup=asleep_worker_1_setup(4 * BUSY_SILENCE_LIMIT * 2), steps=20)
+    assert caught.value.cause.startswith("asleep and silent"), caught.value.cause
 
 
 def worker_number(repl):

@@ -12,11 +12,10 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
-from workbench._src.launch.watch import Watch
+from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT, Liveness
 from workbench._src.placements.local.processes import ProcessGroup
-from workbench._src.placements.proc import process_cpu_wait
+from workbench._src.placements.proc import process_cpu_seconds, process_cpu_wait
 
 SPIN = "while True: pass"
 
@@ -95,28 +94,71 @@ def test_a_starved_process_waits_for_a_cpu_and_a_stopped_one_does_not():
 
 
 def test_the_watch_counts_a_starved_member_alive_and_a_stopped_one_silent(tmp_path):
-    """Watch._idle_for, the rule itself, on two real members of a process group: both silent for
-    longer than the heartbeat timeout, one starved, one stopped."""
+    """Liveness.idle_for, the rule itself, on two real members of a process group: both silent
+    for longer than the heartbeat timeout, one starved, one stopped."""
     (tmp_path / "spin.py").write_text(SPIN)
     group = ProcessGroup("starved", private_network=False)
     try:
         members = {f"worker:{i}": group.start("worker", i, "spin", {"PYTHONPATH": str(tmp_path)}) for i in (0, 1)}
         time.sleep(0.5)
         os.kill(members["worker:1"].pid, signal.SIGSTOP)
-        watch = SimpleNamespace(
-            heard=dict.fromkeys(members, time.monotonic()), cpu_seen={}, cpu_at_message={},
-            launcher=SimpleNamespace(heartbeat_timeout=1.0), _child=members.__getitem__,
-        )  # fmt: skip
+        liveness, heard = Liveness(timeout=1.0), time.monotonic()
         with starved(members["worker:0"].pid):
-            for task in members:  # the last message's marks
-                Watch._idle_for(watch, task, time.monotonic())
+            for task, member in members.items():  # the last message's marks
+                liveness.idle_for(task, member, heard, time.monotonic())
             time.sleep(3)
             now = time.monotonic()
-            idle = {task: Watch._idle_for(watch, task, now) for task in members}
+            idle = {task: liveness.idle_for(task, member, heard, now) for task, member in members.items()}
         assert idle["worker:0"] == 0.0  # starved: alive, its silence counts from now
         assert idle["worker:1"] >= 3  # stopped: silent all along
     finally:
         group.stop()
+
+
+SLEEP = "import time\nwhile True: time.sleep(60)"
+
+
+def test_a_silent_member_asleep_in_a_call_is_given_the_limit_and_a_stopped_one_is_named_at_once(tmp_path):
+    """Liveness.silence on two real members that use no CPU: one asleep (as in one call that
+    sleeps holding the GIL), one stopped. Past the heartbeat timeout the stopped one is named
+    frozen; the sleeping one only past BUSY_SILENCE_LIMIT timeouts, as asleep in one call."""
+    (tmp_path / "sleep.py").write_text(SLEEP)
+    group = ProcessGroup("asleep", private_network=False)
+    try:
+        asleep, stopped = (group.start("worker", i, "sleep", {"PYTHONPATH": str(tmp_path)}) for i in (0, 1))
+        members = {"worker:0": asleep, "worker:1": stopped}
+        for member in members.values():  # (done starting: no CPU used any more)
+            _wait_for_no_cpu(member.pid)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        _wait_for_state(stopped.pid, "T")
+        timeout = 0.5
+        liveness, heard = Liveness(timeout), time.monotonic()
+        for _ in range(2):  # the last message's marks; then, silent past the timeout, their waits
+            for task, member in members.items():
+                liveness.idle_for(task, member, heard, time.monotonic())
+            time.sleep(3 * timeout)
+        now = time.monotonic()
+        idle = {task: liveness.idle_for(task, member, heard, now) for task, member in members.items()}
+        assert min(idle.values()) > timeout, idle
+        past_timeout, past_limit = 2 * timeout, (BUSY_SILENCE_LIMIT + 1) * timeout  # (silences)
+        assert liveness.silence("worker:0", asleep, past_timeout, idle["worker:0"]) is None
+        how, cause = liveness.silence("worker:0", asleep, past_limit, idle["worker:0"])
+        assert how.endswith("asleep in one call that did not return") and cause.startswith("asleep"), how
+        how, cause = liveness.silence("worker:1", stopped, past_timeout, idle["worker:1"])
+        assert how.endswith("(frozen or stopped)") and cause == "no heartbeat for 1 s", how
+    finally:
+        group.stop()
+
+
+def _wait_for_no_cpu(pid: int) -> None:
+    used = None
+    for _ in range(600):
+        now = process_cpu_seconds(pid)
+        if now == used:
+            return
+        used = now
+        time.sleep(0.5)
+    raise AssertionError(f"pid {pid} kept using CPU")
 
 
 def test_a_start_past_startup_timeout_goes_on_while_starved_and_fails_once_stopped(tmp_path, monkeypatch):

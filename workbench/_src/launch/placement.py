@@ -137,6 +137,11 @@ class Member(Protocol):
         alone."""
         ...
 
+    def stopped(self) -> bool:
+        """Whether it is stopped now (SIGSTOP, a debugger's stop), where its state can be read
+        (this machine); False where it cannot."""
+        ...
+
 
 @runtime_checkable
 class Members(Protocol):

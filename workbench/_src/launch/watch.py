@@ -15,31 +15,9 @@ from workbench._src.core.errors import WorkerError
 from workbench._src.core.tf_messages import unhealthy_task
 from workbench._src.core.tracebacks import frames_named, full_tracebacks, heartbeat_stack, work_stack
 from workbench._src.launch.heal import replaced_in_run
+from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT, Liveness
 from workbench._src.launch.start_progress import StartDeadline, phase_text, startup_phases
 
-# The rules that tell a frozen member from a busy one. A member whose heartbeats are late but
-# that keeps using CPU is busy: its heartbeat thread cannot run while another thread holds
-# Python's GIL in one long C call, and a loaded machine delays it too. A frozen (SIGSTOP) or hung
-# process uses no CPU at all.
-#
-# BUSY_CPU_SHARE: a silent member that used at least this share of one core since its last sign
-# of life is busy, and its silence counts from now. The floor of what /proc can show (one 10-ms
-# tick a second); raise it only if a frozen process could use CPU (it cannot), lower it never: a
-# busy thread's share falls with the load (two cores shared by ~30 runnable threads give ~7%).
-BUSY_CPU_SHARE = 0.01
-# STARVED_WAIT_SHARE: a silent member with a thread runnable now, or whose threads waited,
-# runnable, for a CPU at least this share of the time since its last sign of life, is starved by
-# the machine, not frozen, and its silence counts from now (at load 40-70 a coordinator that got almost no CPU for 12 s was named
-# frozen). A stopped or hung process has no runnable thread: its wait does not grow, apart from
-# a waking thread's milliseconds. Raise it if a hung member is spared; a starved one waits
-# nearly all the time.
-STARVED_WAIT_SHARE = 0.25
-# BUSY_SILENCE_LIMIT: a member silent *and* busy is named all the same once it has used this many
-# heartbeat timeouts of CPU time since its last message (one call holding the GIL for good). In
-# CPU time, not wall time, so that a loaded machine stretches the bound instead of breaking it.
-# It bounds how long one legitimate GIL-holding call may take (building a big graph: seconds);
-# raise it if such calls are named.
-BUSY_SILENCE_LIMIT = 6
 # After a member reports an error, how long the watch collects the others' reports and the
 # process table before it names a culprit: a witness's report arrives first, the culprit's death
 # or silence within a moment. It bounds how long a failure takes to be said; it must exceed the
@@ -73,9 +51,7 @@ class Watch:
         self.tasks = [t.name for t in pool.tasks]
         self.chief = self.tasks[0]
         self.heard: dict[str, float] = {}
-        # task -> (last sign of life, its CPU s then, its threads' wait for a CPU then)
-        self.cpu_seen: dict[str, tuple[float, float | None, float | None]] = {}
-        self.cpu_at_message: dict[str, float | None] = {}  # task -> its CPU s when its last message came
+        self.liveness = Liveness(launcher.heartbeat_timeout)  # (what late heartbeats mean)
         self.ready: set[str] = set()
         self.results: dict = {}
         self.stop_sent = False
@@ -221,36 +197,19 @@ class Watch:
             last = self.heard.get(task)
             if last is None or task in self.results:
                 continue
-            silent, idle = now - last, self._idle_for(task, now)
+            child = self._child(task)
+            silent, idle = now - last, self.liveness.idle_for(task, child, last, now)
             if (idle > timeout or silent > BUSY_SILENCE_LIMIT * timeout) and self.channel.unread(task):
                 self.heard[task] = now  # it spoke: its words wait for our reader (a busy launcher)
                 continue
-            if idle > timeout:
-                mark = self.cpu_seen.get(task, (0, None, None))
-                state = (
-                    " while it neither ran nor waited for a CPU (frozen, stopped or hung)"
-                    if mark[2] is not None
-                    else " and almost no CPU time used (frozen, stopped or starved)"
-                    if mark[1] is not None
-                    else " (frozen, stopped, starved or cut off)"
-                )
+            said = self.liveness.silence(task, child, silent, idle)
+            if said is not None:
+                how, cause = said
                 self._raise(
-                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
-                    f"{silent:.0f} s{state}{self._at_step()}; every process "
-                    "of the run was stopped.",
+                    f"{_label(task)} ({child.where}) stopped responding: no heartbeat for {silent:.0f} s"
+                    f"{how}{self._at_step()}; every process of the run was stopped.",
                     task,
-                    cause=f"no heartbeat for {silent:.0f} s",
-                    stacks=True,
-                )
-            busy_for = self._cpu_used_while_silent(task) if silent > BUSY_SILENCE_LIMIT * timeout else None
-            if busy_for is not None and busy_for > BUSY_SILENCE_LIMIT * timeout:
-                self._raise(
-                    f"{_label(task)} ({self._child(task).where}) stopped responding: no heartbeat for "
-                    f"{silent:.0f} s while it kept a CPU busy ({busy_for:.0f} CPU-seconds: one call holding "
-                    f"Python's GIL that long, or a loop that never returns){self._at_step()}; every process "
-                    "of the run was stopped.",
-                    task,
-                    cause=f"busy and silent for {silent:.0f} s",
+                    cause=cause,
                     stacks=True,
                 )
         missing = [t for t in self.tasks if t not in self.ready]
@@ -271,42 +230,6 @@ class Watch:
         """This run's stop; a preemption of this process (SIGTERM to `workbench run`) asks every
         member to save at the next step boundary and end preempted."""
         return {"type": "stop", "run": self.number, "preempt": self.run._preempted if self.run else None}
-
-    def _idle_for(self, task: str, now: float) -> float:
-        """Seconds since `task` last showed it is alive: a message from it, or, while its
-        heartbeats were late, CPU time it used (BUSY_CPU_SHARE of a core since the last sign) or
-        time its threads waited for a CPU (STARVED_WAIT_SHARE: a busy machine starves it), asked
-        when the silence reaches the timeout. A process that cannot be read from here (a Ray
-        member on another node) has its messages only."""
-        heard = self.heard[task]
-        mark = self.cpu_seen.get(task)
-        child = self._child(task)
-        if mark is None or mark[0] < heard:  # a message since the last look: its CPU time now
-            # (Its wait for a CPU is read only once it is late: that reads every thread of the
-            # process, milliseconds for a TensorFlow process, too much for every message.)
-            self.cpu_seen[task] = (now, child.cpu_seconds(), None)
-            self.cpu_at_message[task] = self.cpu_seen[task][1]
-            return now - heard
-        since, cpu_then, wait_then = mark
-        if cpu_then is None or now - since <= self.launcher.heartbeat_timeout:
-            return now - since
-        cpu, wait = child.cpu_seconds(), child.cpu_wait()
-        busy = cpu is not None and cpu - cpu_then >= BUSY_CPU_SHARE * (now - since)
-        starved = wait is not None and (
-            wait[1] or (wait_then is not None and wait[0] - wait_then >= STARVED_WAIT_SHARE * (now - since))
-        )
-        if busy or starved:
-            self.cpu_seen[task] = (now, cpu, None if wait is None else wait[0])  # the silence counts from now
-            return 0.0
-        if wait_then is None and wait is not None:  # its wait from here on (measured against the
-            self.cpu_seen[task] = (since, cpu_then, wait[0])  # whole silence: on the safe side)
-        return now - since
-
-    def _cpu_used_while_silent(self, task: str) -> float | None:
-        """CPU seconds `task` used since its last message (None where it cannot be read)."""
-        then = self.cpu_at_message.get(task)
-        now = self._child(task).cpu_seconds() if then is not None else None
-        return None if now is None else now - then
 
     def _fail_after_error(self, task: str, message: dict) -> None:
         # A worker whose peer died or froze reports the collective failure first; give the

@@ -46,6 +46,7 @@ from workbench._src.placements.local import fork_client, netns
 from workbench._src.placements.proc import (
     STACKS_SIGNAL,
     dumped_stacks,
+    process_stopped,
     processes_cpu_seconds,
     processes_cpu_wait,
 )
@@ -150,6 +151,10 @@ class Child:
         """How its threads (with_own: and its own processes') wait for a CPU
         (proc.process_cpu_wait), or None when it is gone."""
         return processes_cpu_wait([self.pid, *(self.own_pids if with_own else ())])
+
+    def stopped(self) -> bool:
+        """Whether it is stopped now (SIGSTOP, a debugger's stop)."""
+        return process_stopped(self.pid)
 
     def exit_description(self) -> str:
         code = self.popen.returncode

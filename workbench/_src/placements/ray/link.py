@@ -31,6 +31,7 @@ from workbench._src.placements.proc import (
     process_cpu_seconds,
     process_cpu_wait,
     process_start_ticks,
+    process_stopped,
     same_process_running,
 )
 
@@ -148,6 +149,10 @@ class RayMember:
     def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
         """How its threads wait for a CPU, where it can be read (this node)."""
         return process_cpu_wait(self.pid) if self._cpu_readable else None
+
+    def stopped(self) -> bool:
+        """Whether it is stopped now, where its state can be read (this node)."""
+        return self._cpu_readable and process_stopped(self.pid)
 
 
 class RayMembers:
