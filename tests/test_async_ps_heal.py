@@ -264,6 +264,12 @@ def test_rays_words_for_a_killed_process_are_not_read_as_its_nodes_death():
     node = RuntimeError("The actor died because its node has died. Node Id: 6c1e...")
     assert death_reason(killed) == "its process ended unexpectedly (killed or crashed)"
     assert death_reason(node) == "its node died (Ray's node health check)"
+    owner = RuntimeError(  # (Ray 2.60, abridged: an actor whose creator's node ended first)
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: Member\nThe actor is "
+        "dead because its owner has died. Owner Id: 0100... Owner Ip address: 127.0.0.1 Owner worker "
+        "exit type: SYSTEM_ERROR Worker exit detail: Owner's node has crashed."
+    )
+    assert death_reason(owner) == "the Ray node of the process that created it ended"
 
 
 def test_the_placements_news_sent_again_is_said_once():

@@ -211,7 +211,7 @@ A_START_WITH_A_HELD_AGENT = """
 import contextlib, json, os, signal, sys, threading, time
 import psutil
 import workbench as wb
-from workbench._src.placements.ray.local_start import raylet_last_error
+from workbench._src.placements.ray.instance_logs import raylet_last_error
 
 HELD = float(sys.argv[1])
 held = []
@@ -274,7 +274,7 @@ def test_a_start_whose_dashboard_agent_is_starved_past_rays_fixed_wait_succeeds(
 def test_a_raylet_gone_at_start_is_said_with_its_last_error(tmp_path):
     # A failed try's Ray folder is removed with its processes, so the raylet's own account of its
     # end is read first and said with "its raylet is gone". The lines are in Ray 2.60's format.
-    from workbench._src.placements.ray.local_start import raylet_last_error
+    from workbench._src.placements.ray.instance_logs import raylet_last_error
 
     logs = tmp_path / "ray" / "session_2026-11-27_07-33-28_018671_24741" / "logs"
     logs.mkdir(parents=True)
@@ -292,3 +292,76 @@ def test_a_raylet_gone_at_start_is_said_with_its_last_error(tmp_path):
         "node_manager.cc:3576: Check failed: ports.has_value() Timed out waiting for file "
         "/tmp/ray/session_x/metrics_agent_port_5818"
     ), said
+
+
+def test_an_instance_ended_by_a_failed_agent_is_said_with_the_agents_last_words(tmp_path):
+    # Ray 2.60's lines (abridged): the harmless metrics-exporter error of every start here is
+    # skipped; the raylet's last error names the agent it fate-shared with, whose stderr ends
+    # with the exception.
+    from workbench._src.placements.ray.instance_logs import instance_end
+
+    logs = tmp_path / "ray" / "session_2026-11-29_07-14-00_018671_24741" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "raylet.out").write_text(
+        "[2026-11-29 07:13:23,161 E 18930 18930] (raylet) main.cc:1108: Failed to establish connection to "
+        "the metrics exporter agent. Metrics will not be exported.\n"
+    )
+    assert instance_end(str(tmp_path)) == ""
+    with open(logs / "raylet.out", "a") as f:
+        f.write(
+            "[2026-11-29 07:14:22,704 E 25125 25156] (raylet) agent_manager.cc:87: The raylet exited "
+            "immediately because one Ray agent failed, agent_name = runtime_env_agent.\n"
+            "The raylet fate shares with the agent. This can happen because\n"
+        )
+    (logs / "runtime_env_agent.err").write_text(
+        "Traceback (most recent call last):\n  File \"main.py\", line 241, in <module>\n"
+        "OSError: [Errno 98] Address already in use\n\n"
+    )
+    assert instance_end(str(tmp_path)) == (
+        "its raylet: agent_manager.cc:87: The raylet exited immediately because one Ray agent failed, "
+        "agent_name = runtime_env_agent.; its runtime_env_agent: OSError: [Errno 98] Address already in use"
+    )
+
+
+# A local pool whose Ray instance ends while its actors are placed: its runtime env agent (a process
+# the raylet fate-shares with) is killed when the start says "placing the Ray actors 0/2".
+A_START_WHOSE_AGENT_DIES = """
+import json, os, signal, psutil
+import workbench as wb
+from workbench._src.launch import start_progress
+
+def kill_the_runtime_env_agent(text):  # (then waits for the raylet to end: before any actor answers)
+    if text.startswith("placing the Ray actors 0/"):
+        children = psutil.Process().children(recursive=True)
+        raylet = next(child for child in children if child.name() == "raylet")
+        for child in children:
+            command = " ".join(child.cmdline())  # (it retitles itself once started; the raylet's
+            if child != raylet and (  # own command line names the agent's script too)
+                "runtime_env/agent/main.py" in command or command.startswith("ray::RuntimeEnvAgent")
+            ):
+                os.kill(child.pid, signal.SIGKILL)
+        raylet.wait(timeout=60)
+
+repl = wb.MultiWorkerReplicator(num_workers=2, cluster=wb.RayCluster(address=None, placement="pack"))
+try:
+    with start_progress.listening(kill_the_runtime_env_agent):
+        repl.train(setup=lambda r: None, steps=1)
+except wb.WorkerError as error:
+    print(json.dumps({"error": str(error), "cause": error.cause}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_local_instance_that_ends_while_its_actors_are_placed_is_said_with_its_raylets_account(tmp_path):
+    """Ray says only that the actors died and that the node "has been marked dead because the
+    detector has missed too many heartbeats"; the error says which agent the raylet ended with."""
+    done = subprocess.run(
+        [sys.executable, "-c", A_START_WHOSE_AGENT_DIES], capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["error"].startswith("the multi-worker pool's 2 Ray actors died before they started"), said
+    assert "The local Ray instance ended (its raylet: " in said["error"], said
+    assert "agent_name = runtime_env_agent" in said["error"], said
+    assert "Traceback" not in said["error"], said

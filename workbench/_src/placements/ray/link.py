@@ -325,6 +325,8 @@ def death_reason(error: BaseException) -> str:
     # speaks of "node deaths" in its advice)
     if "its node has died" in text or "node was terminated" in text or "node was preempted" in text:
         return "its node died (Ray's node health check)"
+    if "Owner's node has crashed" in text:  # (its creator's node: this process's, at a start)
+        return "the Ray node of the process that created it ended"
     if "worker process has died" in text:  # a process killed or crashed
         return "its process ended unexpectedly (killed or crashed)"
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]

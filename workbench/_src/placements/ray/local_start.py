@@ -24,7 +24,6 @@ behind when it fails.
 from __future__ import annotations
 
 import contextlib
-import glob
 import inspect
 import os
 import secrets
@@ -38,6 +37,7 @@ from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.owned_folders import pid_alive
 from workbench._src.launch.start_progress import Phases, say
 from workbench._src.placements.proc import pids_naming, process_cpu_seconds
+from workbench._src.placements.ray.instance_logs import raylet_last_error
 from workbench._src.placements.ray.instance_owner import InstanceOwner
 
 # How long the processes of a starting instance may all get no CPU time before its start is given
@@ -281,21 +281,6 @@ class _StartProgress:
         if time.monotonic() - self.since > RAYLET_STALL_SECONDS:
             return f"no process of the instance ran for {RAYLET_STALL_SECONDS:.0f} s"
         return ""
-
-
-def raylet_last_error(root: str) -> str:
-    """The last error or fatal line the instance's raylet logged under `root`, without Ray's
-    prefix (time, level, pids) and cut short; "" when there is none."""
-    found = ""
-    for path in glob.glob(os.path.join(root, "ray", "session_*", "logs", "raylet.out")):
-        with contextlib.suppress(OSError), open(path, errors="replace") as f:
-            for line in f:
-                # Ray's own format: "[2026-11-27 07:33:49,978 C 4378 4378] (raylet) file.cc:12: text"
-                if len(line) > 26 and line.startswith("[") and line[24:26] in (" E", " C", " F"):
-                    found = line.split("] ", 1)[-1].removeprefix("(raylet) ").strip()
-    if "Check failed:" in found:  # (a crash: Ray's plea to report a bug comes first, the cause after)
-        found = f"{found.split(' ', 1)[0]} {found[found.index('Check failed:') :]}"
-    return found[:300]
 
 
 def _state(pid: int) -> str | None:

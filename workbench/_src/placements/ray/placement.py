@@ -38,7 +38,8 @@ from workbench._src.core.errors import CapacityError, ConfigurationError, Worker
 from workbench._src.launch.placement import Role, Task
 from workbench._src.placements.local.processes import TMP_PREFIX
 from workbench._src.placements.ray.cluster import PLACEMENTS
-from workbench._src.placements.ray.link import RayLink, RayMember, RayMembers
+from workbench._src.placements.ray.instance_logs import instance_end
+from workbench._src.placements.ray.link import RayLink, RayMember, RayMembers, death_reason
 from workbench._src.placements.ray.local_start import actors_ready  # (says actors k/N)
 from workbench._src.placements.ray.replace import ServerReplacer
 
@@ -88,6 +89,10 @@ class RayPlacement:
                     f"startup_timeout={plan.startup_timeout:.0f} s. Fix: a busy cluster needs a longer "
                     "startup_timeout; `ray status` shows what it is doing."
                 ) from None
+            except ray.exceptions.RayActorError as error:  # (Ray's traceback says nothing more)
+                raise WorkerError(
+                    self._died_at_start(len(actors), error), cause=death_reason(error)
+                ) from None
         except BaseException:
             for actor in actors:
                 with contextlib.suppress(Exception):
@@ -126,6 +131,16 @@ class RayPlacement:
         # A lost async-ps worker server is replaced in its bundle, at its address (replace.py).
         self.replacer = ServerReplacer(ray, self.channel, self._new_actor, self.servers, plan.startup_timeout)
         self.channel.on_server_lost = self.replacer.lost
+
+    def _died_at_start(self, count: int, error: BaseException) -> str:
+        """The error for actors that died before they answered: Ray's reason and, on a local
+        instance whose node ended, its own logs' account (read now: its folder goes at shutdown)."""
+        text = f"the {self.backend} pool's {count} Ray actors died before they started: {death_reason(error)}"
+        root = self.cluster.local_root
+        ended = instance_end(root) if root and not any(n["Alive"] for n in _nodes(self.ray)) else ""
+        if ended:
+            return f"{text}. The local Ray instance ended ({ended}). Fix: run it again; see the cause above."
+        return f"{text}. Fix: `ray status` and the Ray logs of its node say why."
 
     def _new_actor(self, bundle_index: int):
         """A member actor of the pool in bundle `bundle_index` of its placement group (at the
@@ -280,3 +295,11 @@ def _device_env(role: Role, bundle: dict) -> dict:
     if role.gpus and bundle.get("GPU"):
         return {}
     return {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def _nodes(ray) -> list[dict]:
+    """Ray's nodes (none where Ray cannot say: its GCS is gone with the instance)."""
+    try:
+        return ray.nodes()
+    except Exception:  # noqa: BLE001 - a local instance that ended has no GCS left to ask
+        return []
