@@ -323,45 +323,61 @@ def test_an_instance_ended_by_a_failed_agent_is_said_with_the_agents_last_words(
     )
 
 
-# A local pool whose Ray instance ends while its actors are placed: its runtime env agent (a process
-# the raylet fate-shares with) is killed when the start says "placing the Ray actors 0/2".
-A_START_WHOSE_AGENT_DIES = """
-import json, os, signal, psutil
+# A local pool whose Ray instance ends while its actors are placed (argv[1] "placing") or while
+# it trains ("training"): its runtime env agent, a process the raylet fate-shares with, is killed.
+A_POOL_WHOSE_AGENT_DIES = """
+import json, os, signal, sys, time, psutil
+sys.path.insert(0, "tests")
+from helpers import regression_setup, wait_for_steps
 import workbench as wb
 from workbench._src.launch import start_progress
 
-def kill_the_runtime_env_agent(text):  # (then waits for the raylet to end: before any actor answers)
+def kill_the_runtime_env_agent():  # (then waits for the raylet to end)
+    children = psutil.Process().children(recursive=True)
+    raylet = next(child for child in children if child.name() == "raylet")
+    for child in children:
+        command = " ".join(child.cmdline())  # (it retitles itself once started; the raylet's
+        if child != raylet and (  # own command line names the agent's script too)
+            "runtime_env/agent/main.py" in command or command.startswith("ray::RuntimeEnvAgent")
+        ):
+            os.kill(child.pid, signal.SIGKILL)
+    raylet.wait(timeout=60)
+
+def at_placing(text):  # (before any actor answers: the start waits for this listener)
     if text.startswith("placing the Ray actors 0/"):
-        children = psutil.Process().children(recursive=True)
-        raylet = next(child for child in children if child.name() == "raylet")
-        for child in children:
-            command = " ".join(child.cmdline())  # (it retitles itself once started; the raylet's
-            if child != raylet and (  # own command line names the agent's script too)
-                "runtime_env/agent/main.py" in command or command.startswith("ray::RuntimeEnvAgent")
-            ):
-                os.kill(child.pid, signal.SIGKILL)
-        raylet.wait(timeout=60)
+        kill_the_runtime_env_agent()
 
 repl = wb.MultiWorkerReplicator(num_workers=2, cluster=wb.RayCluster(address=None, placement="pack"))
 try:
-    with start_progress.listening(kill_the_runtime_env_agent):
-        repl.train(setup=lambda r: None, steps=1)
+    if sys.argv[1] == "placing":
+        with start_progress.listening(at_placing):
+            repl.train(setup=regression_setup, steps=1)
+    else:
+        run = repl.train(setup=regression_setup, steps=1_000_000, background=True)
+        wait_for_steps(run, 5)
+        kill_the_runtime_env_agent()
+        run.wait(timeout=300)
 except wb.WorkerError as error:
     print(json.dumps({"error": str(error), "cause": error.cause}), flush=True)
 """
 
 
 @pytest.mark.slow
-def test_a_local_instance_that_ends_while_its_actors_are_placed_is_said_with_its_raylets_account(tmp_path):
+@pytest.mark.parametrize("moment", ["placing", "training"])
+def test_a_local_instance_that_ends_is_said_with_its_raylets_account(tmp_path, moment):
     """Ray says only that the actors died and that the node "has been marked dead because the
-    detector has missed too many heartbeats"; the error says which agent the raylet ended with."""
+    detector has missed too many heartbeats"; the error says which agent the raylet ended with,
+    whether the instance ended while the pool's actors were placed or while it trained."""
     done = subprocess.run(
-        [sys.executable, "-c", A_START_WHOSE_AGENT_DIES], capture_output=True, text=True, timeout=600,
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)},
+        [sys.executable, "-c", A_POOL_WHOSE_AGENT_DIES, moment], capture_output=True, text=True,
+        timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "HOME": str(tmp_path), "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
-    assert said["error"].startswith("the multi-worker pool's 2 Ray actors died before they started"), said
-    assert "The local Ray instance ended (its raylet: " in said["error"], said
+    if moment == "placing":
+        assert said["error"].startswith("the multi-worker pool's 2 Ray actors died before they started"), said
+        assert "The local Ray instance ended (its raylet: " in said["error"], said
+    else:
+        assert "the local Ray instance ended (its raylet: " in said["error"], said
     assert "agent_name = runtime_env_agent" in said["error"], said
     assert "Traceback" not in said["error"], said

@@ -34,6 +34,7 @@ from workbench._src.placements.proc import (
     process_stopped,
     same_process_running,
 )
+from workbench._src.placements.ray.instance_logs import instance_end
 
 # How long one ray.wait waits for any member to say something: it bounds how late the link sees
 # that it was closed, nothing else (a message ends the wait at once).
@@ -169,8 +170,11 @@ class RayLink:
     """Messages to and from the members by Ray's calls, object refs and streaming generators,
     queued as the local channel queues them (a `Link`)."""
 
-    def __init__(self, ray, members: RayMembers, working: set[str], report_to: str):
+    def __init__(
+        self, ray, members: RayMembers, working: set[str], report_to: str, local_root: str | None = None
+    ):
         self.ray = ray
+        self.local_root = local_root  # a local instance's folder: its logs say why its node ended
         self.members = {m.task: m for m in members.children}
         self.working = working  # the members that run work (a TF server member takes no messages)
         self.messages: queue.Queue = queue.Queue()  # (task, message dict)
@@ -265,6 +269,9 @@ class RayLink:
         if member is None or self._closed or member.exited:
             return
         member.dead, member.death = True, death_reason(error)
+        if self.local_root and "node" in member.death:  # (this machine's own instance ended)
+            ended = instance_end(self.local_root)
+            member.death += f"; the local Ray instance ended ({ended})" if ended else ""
         if member.may_die:  # the run goes on; the coordinator hears of it, a new one may come
             if self.on_server_lost is not None:
                 self.on_server_lost(member)

@@ -127,7 +127,7 @@ class RayPlacement:
             for i, ((role, index), actor, where) in enumerate(zip(layout, actors, wheres))
         ]
         self.group = RayMembers(members)
-        self.channel = RayLink(ray, self.group, working, report_to=self.tasks[0].name)
+        self.channel = RayLink(ray, self.group, working, self.tasks[0].name, self.cluster.local_root)
         # A lost async-ps worker server is replaced in its bundle, at its address (replace.py).
         self.replacer = ServerReplacer(ray, self.channel, self._new_actor, self.servers, plan.startup_timeout)
         self.channel.on_server_lost = self.replacer.lost
