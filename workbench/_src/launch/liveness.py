@@ -74,14 +74,13 @@ class Liveness:
         long: (how it was silent, for the error; the cause), or None while it may go on."""
         limit = BUSY_SILENCE_LIMIT * self.timeout
         if idle > self.timeout:
-            mark = self.cpu_seen.get(task, (0, None, None))
-            if mark[2] is None:  # its wait for a CPU is not known: its CPU time, or nothing
-                read = mark[1] is not None
-                how = " and almost no CPU time used (frozen, stopped or starved)" if read else ""
-                return how or " (frozen, stopped, starved or cut off)", f"no heartbeat for {silent:.0f} s"
+            mark, cause = self.cpu_seen.get(task, (0, None, None)), f"no heartbeat for {silent:.0f} s"
+            if mark[2] is None and mark[1] is None:  # (nothing of it can be read: another node)
+                return " (frozen, stopped, starved or cut off)", cause
+            if mark[2] is None:  # (its CPU time alone can be read)
+                return " and almost no CPU time used (frozen, stopped or starved)", cause
             if child.stopped():
-                how = " while it neither ran nor waited for a CPU (frozen or stopped)"
-                return how, f"no heartbeat for {silent:.0f} s"
+                return " while it neither ran nor waited for a CPU (frozen or stopped)", cause
             if silent > limit:
                 how = " while it neither ran nor waited for a CPU, asleep in one call that did not return"
                 return how, f"asleep and silent for {silent:.0f} s"
