@@ -139,7 +139,7 @@ class RayPlacement:
         root = self.cluster.local_root
         ended = instance_end(root) if root and not any(n["Alive"] for n in _nodes(self.ray)) else ""
         if ended:
-            return f"{text}. The local Ray instance ended ({ended}). Fix: run it again; see the cause above."
+            return f"{text}. The local Ray instance ended ({ended}). Fix: run it again; if it ends again, its cause is the one in parentheses."
         return f"{text}. Fix: `ray status` and the Ray logs of its node say why."
 
     def _new_actor(self, bundle_index: int):
