@@ -264,6 +264,36 @@ def test_a_worker_asleep_in_one_call_holding_the_gil_is_not_frozen_until_the_lim
     assert caught.value.cause.startswith("asleep and silent"), caught.value.cause
 
 
+def mistake_setup(raised_by: tuple[int, ...], late_worker: int | None = None, late_by: float = 0.0):
+    """A mistake in the run's code (a ValueError) made by the workers in `raised_by`; the
+    others go on to train. `late_worker` makes it `late_by` seconds after the others do (a
+    loaded machine delays one worker's report so)."""
+
+    def setup(repl):
+        if repl.worker_id == late_worker:
+            time.sleep(late_by)
+        if repl.worker_id in raised_by:
+            raise ValueError(f"batch size 7 does not divide over the replicas (worker {repl.worker_id})")
+        return regression_setup(repl)
+
+    return setup
+
+
+@pytest.mark.slow
+def test_a_mistake_every_worker_makes_is_reported_as_worker_0s_and_one_worker_makes_as_its_own():
+    # As an in-process run would raise it: the first worker's error, whichever report came
+    # first (a loaded suite run headed a kernel's error "worker 1: NameError": worker 0's came
+    # over 0.7 s late). A mistake only one worker makes is that worker's, not the chief's
+    # collective failure that follows it.
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    with pytest.raises(wb.WorkerError, match=r"^worker 0: ValueError: batch size 7 .*\(worker 0\)") as caught:
+        repl.train(setup=mistake_setup(raised_by=(0, 1), late_worker=0, late_by=3.0), steps=20)
+    assert caught.value.task == "worker 0"
+    with pytest.raises(wb.WorkerError, match=r"^worker 1: ValueError: batch size 7 .*\(worker 1\)") as caught:
+        repl.train(setup=mistake_setup(raised_by=(1,)), steps=20)
+    assert caught.value.task == "worker 1"
+
+
 def worker_number(repl):
     return repl.worker_id
 
@@ -296,7 +326,7 @@ def test_a_worker_that_exits_before_its_result_is_read_is_not_a_fault(monkeypatc
 
 @pytest.mark.slow
 def test_peer_that_never_starts_gives_a_startup_timeout(tmp_path):
-    from workbench._src.placements.local.processes import free_ports
+    from workbench._src.placements.ports import free_ports
 
     ports = free_ports(2)
     tf_config = {

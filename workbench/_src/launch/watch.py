@@ -240,6 +240,8 @@ class Watch:
         self._check()  # a worker that died without reporting is the culprit
         if message.get("summary", "").startswith(_PEER_LOST_ERRORS):
             self._await_lost_peer(errors)
+        else:
+            self._await_chiefs_report(errors)
         unhealthy = unhealthy_task(message.get("summary", ""))
         if unhealthy in self.tasks and unhealthy != task and unhealthy not in errors:
             # TensorFlow's coordination service saw the peer's heartbeats stop before ours did
@@ -268,14 +270,34 @@ class Watch:
         """A collective failed because a peer went away: the peer (its actor's death, Ray's
         report; its silence) is named rather than the member that saw the connection reset.
         Waits up to PEER_LOST_WAIT for a peer to be reported dead (`_check` raises) or silent."""
-        deadline = time.monotonic() + PEER_LOST_WAIT
-        while time.monotonic() < deadline:
+
+        def peer_known(now: float) -> bool:
+            peers = [t for t in self.tasks if t not in errors and t not in self.results]
+            # (a silent peer is named by the caller, with how long it was silent)
+            return not peers or any(now - self.heard.get(t, now) > PEER_SILENCE for t in peers)
+
+        self._collect_reports(errors, until=peer_known, seconds=PEER_LOST_WAIT)
+
+    def _await_chiefs_report(self, errors: dict) -> None:
+        """A mistake in the run's code is usually made by every worker: the error is reported as
+        the first worker's, as an in-process run would raise it, whichever report came first (on
+        a loaded machine the chief's may come seconds after a peer's). Waits up to the heartbeat
+        timeout for the chief's report; ends early once it reports, finishes, or falls silent
+        (a chief that only waits for the failed peer: the peer's error is reported)."""
+        first = min(self.tasks, key=task_order)
+
+        def chief_known(now: float) -> bool:
+            return first in errors or first in self.results or now - self.heard.get(first, now) > PEER_SILENCE
+
+        self._collect_reports(errors, until=chief_known, seconds=self.launcher.heartbeat_timeout)
+
+    def _collect_reports(self, errors: dict, until, seconds: float) -> None:
+        """Adds the members' error reports to `errors` until `until(now)` holds or `seconds` have
+        passed, the process table checked between reads (a member found dead is raised)."""
+        deadline = time.monotonic() + seconds
+        while not until(time.monotonic()) and time.monotonic() < deadline:
             errors.update(self._drain_errors(0.1))
             self._check()
-            now = time.monotonic()
-            peers = [t for t in self.tasks if t not in errors and t not in self.results]
-            if not peers or any(now - self.heard.get(t, now) > PEER_SILENCE for t in peers):
-                return  # (a silent peer is named by the caller, with how long it was silent)
 
     def _drain_errors(self, seconds: float) -> dict:
         """Reads the channel for `seconds`; returns the error reports (task -> message)."""
@@ -299,7 +321,10 @@ class Watch:
         return errors
 
     def _report_errors(self, errors: dict) -> None:
-        first = min(errors, key=task_order)  # the same mistake on every worker: report the chief's
+        # The same mistake on every worker: the chief's report. A peer's mistake rather than the
+        # collective failure it caused in the others.
+        mistakes = {t: e for t, e in errors.items() if not e.get("summary", "").startswith(_PEER_LOST_ERRORS)}
+        first = min(mistakes or errors, key=task_order)
         error = errors[first]
         kind = getattr(workbench_errors, error.get("error_class") or "", None)
         if kind is not None and kind is not WorkerError:
