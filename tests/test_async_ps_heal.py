@@ -254,7 +254,7 @@ def test_on_ray_a_worker_whose_address_is_taken_stays_dropped_says_why_and_its_p
 
 
 def test_rays_words_for_a_killed_process_are_not_read_as_its_nodes_death():
-    from workbench._src.placements.ray.link import death_reason
+    from workbench._src.placements.ray.link import death_reason, node_ended
 
     killed = RuntimeError(  # (Ray 2.60's ActorDiedError, abridged: its advice speaks of "node deaths")
         "The actor died unexpectedly before finishing this task.\n\tclass_name: Member\nThe actor is "
@@ -270,6 +270,8 @@ def test_rays_words_for_a_killed_process_are_not_read_as_its_nodes_death():
         "exit type: SYSTEM_ERROR Worker exit detail: Owner's node has crashed."
     )
     assert death_reason(owner) == "the Ray node of the process that created it ended"
+    # (a node that ended, on a local instance the instance: its logs are read for why)
+    assert node_ended(node) and node_ended(owner) and not node_ended(killed)
 
 
 def test_the_placements_news_sent_again_is_said_once():

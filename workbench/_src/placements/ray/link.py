@@ -269,7 +269,7 @@ class RayLink:
         if member is None or self._closed or member.exited:
             return
         member.dead, member.death = True, death_reason(error)
-        if self.local_root and "node" in member.death:  # (this machine's own instance ended)
+        if self.local_root and node_ended(error):  # (this machine's own instance ended)
             ended = instance_end(self.local_root)
             member.death += f"; the local Ray instance ended ({ended})" if ended else ""
         if member.may_die:  # the run goes on; the coordinator hears of it, a new one may come
@@ -323,17 +323,26 @@ class RayLink:
             reader.join(timeout=4 * WAIT_SECONDS)
 
 
+# Ray's words for an actor whose node ended, its own or its creator's (this process's, at a start),
+# not only its process. ("node" and "died" alone are not enough: a killed process's error also
+# speaks of "node deaths" in its advice.)
+_NODE_ENDED = ("its node has died", "node was terminated", "node was preempted", "Owner's node has crashed")
+
+
+def node_ended(error: BaseException) -> bool:
+    """Ray says the node under the actor ended (on a local instance: the instance itself)."""
+    return any(words in str(error) for words in _NODE_ENDED)
+
+
 def death_reason(error: BaseException) -> str:
     """A short reason from Ray's error: the node's death when Ray names it, else its first line."""
     if isinstance(error, SystemExit):
         return "this process's Ray connection was shut down (ray.shutdown())"
     text = str(error)
-    # (Ray's own words; "node" and "died" alone are not enough: a killed process's error also
-    # speaks of "node deaths" in its advice)
-    if "its node has died" in text or "node was terminated" in text or "node was preempted" in text:
+    if node_ended(error):
+        if "Owner's node has crashed" in text:  # (its creator's node: this process's, at a start)
+            return "the Ray node of the process that created it ended"
         return "its node died (Ray's node health check)"
-    if "Owner's node has crashed" in text:  # (its creator's node: this process's, at a start)
-        return "the Ray node of the process that created it ended"
     if "worker process has died" in text:  # a process killed or crashed
         return "its process ended unexpectedly (killed or crashed)"
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]

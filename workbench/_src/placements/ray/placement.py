@@ -39,7 +39,7 @@ from workbench._src.launch.placement import Role, Task
 from workbench._src.placements.local.processes import TMP_PREFIX
 from workbench._src.placements.ray.cluster import PLACEMENTS
 from workbench._src.placements.ray.instance_logs import instance_end
-from workbench._src.placements.ray.link import RayLink, RayMember, RayMembers, death_reason
+from workbench._src.placements.ray.link import RayLink, RayMember, RayMembers, death_reason, node_ended
 from workbench._src.placements.ray.local_start import actors_ready  # (says actors k/N)
 from workbench._src.placements.ray.replace import ServerReplacer
 
@@ -137,7 +137,7 @@ class RayPlacement:
         instance whose node ended, its own logs' account (read now: its folder goes at shutdown)."""
         text = f"the {self.backend} pool's {count} Ray actors died before they started: {death_reason(error)}"
         root = self.cluster.local_root
-        ended = instance_end(root) if root and not any(n["Alive"] for n in _nodes(self.ray)) else ""
+        ended = instance_end(root) if root and node_ended(error) else ""
         if ended:
             return f"{text}. The local Ray instance ended ({ended}). Fix: run it again; if it ends again, its cause is the one in parentheses."
         return f"{text}. Fix: `ray status` and the Ray logs of its node say why."
@@ -295,11 +295,3 @@ def _device_env(role: Role, bundle: dict) -> dict:
     if role.gpus and bundle.get("GPU"):
         return {}
     return {"CUDA_VISIBLE_DEVICES": ""}
-
-
-def _nodes(ray) -> list[dict]:
-    """Ray's nodes (none where Ray cannot say: its GCS is gone with the instance)."""
-    try:
-        return ray.nodes()
-    except Exception:  # noqa: BLE001 - a local instance that ended has no GCS left to ask
-        return []
