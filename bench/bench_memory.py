@@ -151,7 +151,7 @@ def bare_tensorflow_worker_rss(runs: int) -> list[list[float]]:
     cluster on loopback, each training the digits model `runs` times (a new model and a new
     tf.function a run, 20 steps, then Keras's session cleared, as a warm pool's runs are). Returns
     each worker's RSS (MiB) after every run."""
-    from workbench._src.placements.local.processes import free_ports
+    from workbench._src.placements.ports import free_ports
 
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
     logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
@@ -220,7 +220,7 @@ def bare_ps_child(runs: int) -> None:
     coordinator; the digits model trained `runs` times, 20 steps each, a new model and a new
     tf.function a run, as a warm pool's runs are. Prints the server's RSS after each run."""
 
-    from workbench._src.placements.local.processes import free_ports
+    from workbench._src.placements.ports import free_ports
 
     ps, chief, *workers = (f"127.0.0.1:{port}" for port in free_ports(4))
     cluster = {"ps": [ps], "chief": [chief], "worker": workers}

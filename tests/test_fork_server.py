@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from workbench._src.placements.local import fork_client, fork_server
-from workbench._src.placements.local.processes import ProcessGroup, free_ports
+from workbench._src.placements.local.processes import ProcessGroup
+from workbench._src.placements.ports import free_ports
 
 pytestmark = pytest.mark.slow  # each test process starts a fork server once (~3-5 s)
 
@@ -110,7 +111,8 @@ def test_nothing_outlives_the_launcher(tmp_path):
             import json, sys
             sys.path.insert(0, {str(REPO)!r})
             from workbench._src.placements.local import fork_client
-            from workbench._src.placements.local.processes import ProcessGroup, free_ports
+            from workbench._src.placements.local.processes import ProcessGroup
+            from workbench._src.placements.ports import free_ports
             group = ProcessGroup("fork-probe", stop_at_exit=False)
             port = free_ports(1)[0]
             child = group.start("worker", 0, {SERVER!r},

@@ -51,7 +51,8 @@ def assert_unreachable_from_host(group, ports: list[int]) -> None:
 # ----- TensorFlow servers in the namespace ------------------------------------------------------------
 @pytest.mark.slow
 def test_tensorflow_servers_are_unreachable_from_the_host():
-    from workbench._src.placements.local.processes import ProcessGroup, free_ports
+    from workbench._src.placements.local.processes import ProcessGroup
+    from workbench._src.placements.ports import free_ports
 
     group = ProcessGroup("isolation test")
     assert group.network_isolated, group.network.reason
@@ -80,7 +81,8 @@ def test_tensorflow_servers_are_unreachable_from_the_host():
 @pytest.mark.slow
 def test_multi_worker_mirrored_strategy_runs_inside_the_private_network():
     from workbench._src.placements.local.channel import Channel
-    from workbench._src.placements.local.processes import ProcessGroup, free_ports
+    from workbench._src.placements.local.processes import ProcessGroup
+    from workbench._src.placements.ports import free_ports
 
     group = ProcessGroup("isolation test")
     channel = Channel(group)
@@ -391,7 +393,8 @@ import errno, json, os
 import test_network_isolation as t
 from workbench._src.placements.local import netns
 from workbench._src.placements.local.channel import Channel
-from workbench._src.placements.local.processes import ProcessGroup, free_ports
+from workbench._src.placements.local.processes import ProcessGroup
+from workbench._src.placements.ports import free_ports
 group = ProcessGroup("user namespace test")
 channel = Channel(group)
 ports = free_ports(2)

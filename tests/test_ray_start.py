@@ -162,6 +162,61 @@ def test_the_token_file_is_made_owner_only_and_a_wider_one_is_tightened(tmp_path
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == token  # (kept)
 
 
+def test_the_agents_ports_are_chosen_for_each_start_and_repeat_no_other_components():
+    """CI once failed a start with "dashboard_agent_http is trying to use a port number 52365
+    that is used by other components": Ray's fixed default for the agent's HTTP port had been
+    handed out as a free port to another agent. Each start now chooses all of them, keeps a port
+    the caller set, and repeats none given to another component."""
+    import ray
+
+    from workbench._src.compat import ray_start_internals
+    from workbench._src.placements.ray import local_start
+
+    _, params_class, constants = ray_start_internals(ray)
+    rays_own = params_class.update_pre_selected_port
+    with local_start._start_settings(ray):
+        params = params_class(gcs_server_port=40100, metrics_export_port=40101)
+        params.update_pre_selected_port()
+    agents = [getattr(params, name) for name in local_start._AGENT_PORTS]
+    assert params.metrics_export_port == 40101  # (the caller's)
+    assert len(set(agents)) == len(agents) and 40100 not in agents, agents
+    assert constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT not in agents, agents
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = (int(n) for n in f.read().split())
+    chosen = [port for port in agents if port != 40101]
+    assert not any(low <= port <= high for port in chosen), (chosen, low, high)  # (next test)
+    assert params_class.update_pre_selected_port is rays_own  # (Ray's own, once the start is over)
+
+
+def test_an_agent_port_is_never_one_the_kernel_hands_out_or_one_taken_or_given():
+    """CI lost an instance to its runtime-env agent's "Address already in use": its port, chosen
+    from the kernel's ephemeral range, had been handed meanwhile to another socket of the
+    instance. In a network of its own whose kernel hands out ports 1024-65531 by itself, the
+    ports left are 65532-65535: one is given to another component, one is listened on, so the
+    two chosen are the other two; asked for three, the third (none being left) is the kernel's."""
+    code = (
+        "import socket\n"
+        "from workbench._src.placements.ports import free_ports\n"
+        "taken = socket.socket(); taken.bind(('127.0.0.1', 65534)); taken.listen()\n"
+        "print(sorted(free_ports(2, avoiding={65532})))\n"
+        "three = free_ports(3, avoiding={65532})\n"
+        "print(len(set(three)), sum(1024 <= port <= 65531 for port in three))"
+    )
+    script = (
+        "ip link set lo up && echo '1024 65531' > /proc/sys/net/ipv4/ip_local_port_range"
+        ' && exec "$0" -c "$1"'
+    )
+    done = subprocess.run(
+        ["unshare", "--net", "sh", "-c", script, sys.executable, code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[65533, 65535]", "3 1"], done.stdout
+
+
 def test_what_a_start_says_with_nobody_listening_is_heard_by_the_next_listener():
     """A pool started in the background (the magic, the panel) says its start before its run
     exists: the run that listens next hears those lines first, then the live ones."""

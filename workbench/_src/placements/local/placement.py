@@ -19,7 +19,8 @@ from workbench._src.core.owned_folders import pid_alive
 from workbench._src.core.tf_setup import physical_gpu_count
 from workbench._src.launch.placement import Role, Task
 from workbench._src.placements.local.channel import Channel
-from workbench._src.placements.local.processes import ProcessGroup, free_ports
+from workbench._src.placements.local.processes import ProcessGroup
+from workbench._src.placements.ports import free_ports
 
 WORKER_MODULE = "workbench._src.placements.local.worker_main"
 # After "shutdown", how long a dead member's exit status is waited for, so the line naming it

@@ -43,6 +43,7 @@ from workbench._src.core import tf_setup
 from workbench._src.core.owned_folders import owned_folder
 from workbench._src.launch.runtime import TASK_ENV
 from workbench._src.placements.local import fork_client, netns
+from workbench._src.placements.ports import LOOPBACK
 from workbench._src.placements.proc import (
     STACKS_SIGNAL,
     dumped_stacks,
@@ -51,7 +52,6 @@ from workbench._src.placements.proc import (
     processes_cpu_wait,
 )
 
-LOOPBACK = "127.0.0.1"
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
 LOG_DIR_ENV = "WORKBENCH_LOG_DIR"  # a child's group's log folder: groups it makes nest inside
 TMP_DIR_ENV = "WORKBENCH_PROCESS_TMPDIR"  # a child's own temp folder (also its TMPDIR)
@@ -59,20 +59,6 @@ LAUNCHER_PID_ENV = "WORKBENCH_LAUNCHER_PID"  # the group's process: a child exit
 TMP_PREFIX = "workbench-tmp-"  # only folders named so are ever removed as a child's temp folder
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1 (held open together so none repeats)."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def port_open(port: int, host: str = LOOPBACK) -> bool:

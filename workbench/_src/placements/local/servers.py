@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from workbench._src.core.errors import WorkerError
 from workbench._src.launch.start_progress import StartDeadline
-from workbench._src.placements.local.processes import ProcessGroup, free_ports, port_open
+from workbench._src.placements.local.processes import ProcessGroup, port_open
+from workbench._src.placements.ports import free_ports
 
 SERVER_MODULE = "workbench._src.placements.local.server_main"
 # A worker that keeps dying (a crash in an op it runs, the machine's memory) is not replaced more

@@ -29,13 +29,13 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import time
 
 from workbench._src.compat import ray_connect_state_accessor, ray_start_internals, ray_write_port_files
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.owned_folders import pid_alive
 from workbench._src.launch.start_progress import Phases, say
+from workbench._src.placements.ports import LOOPBACK, free_ports
 from workbench._src.placements.proc import pids_naming, process_cpu_seconds
 from workbench._src.placements.ray.instance_logs import raylet_last_error
 from workbench._src.placements.ray.instance_owner import InstanceOwner
@@ -68,7 +68,6 @@ _AGENT_PORTS = (
 )
 # Those whose port files the raylet waits for however it is started (_agent_port_files).
 _PORT_FILES = ("metrics_export_port", "dashboard_agent_listen_port")
-LOOPBACK = "127.0.0.1"
 # What the instance's processes read at their start (Ray's own settings, RayConfig and env):
 _START_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # 127.0.0.1 stays the node's address
@@ -161,9 +160,16 @@ def _start_settings(ray):
         # a loaded machine) to write the ports they picked, then aborts: measured, a raylet
         # gave up after 16 s. Ports chosen here are known to it from the start (and the two
         # it reads from files in any case are written for it: _agent_port_files).
-        for name, port in zip(_AGENT_PORTS, _free_loopback_ports(len(_AGENT_PORTS))):
-            if not getattr(self, name, None):
-                setattr(self, name, port)
+        # Ray's default for the agent's HTTP port is a fixed number (52365): shared by every
+        # instance on the machine, and once handed out by the kernel as a free port to one of the
+        # others (CI: "dashboard_agent_http is trying to use a port number 52365 that is used by
+        # other components"). It is chosen here like the rest, and no choice repeats a port
+        # another component of this start was given.
+        unchosen = {None, 0, constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT}
+        to_choose = [name for name in _AGENT_PORTS if getattr(self, name, None) in unchosen]
+        given = {port for name, port in vars(self).items() if name.endswith("_port") and isinstance(port, int)}
+        for name, port in zip(to_choose, free_ports(len(to_choose), avoiding=given)):
+            setattr(self, name, port)
         return select_ports(self)
 
     params.update_pre_selected_port = with_agent_ports
@@ -209,17 +215,6 @@ def _agent_port_files(ray):
         yield
     finally:
         services.start_raylet = start_raylet
-
-
-def _free_loopback_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:  # (held open together: no port twice)
-            s.bind((LOOPBACK, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ import time
 
 from workbench._src.placements.local.channel import LinkInbox
 from workbench._src.placements.local.processes import TASK_ENV, TMP_DIR_ENV, TMP_PREFIX
+from workbench._src.placements.ports import free_ports
 from workbench._src.placements.proc import STACKS_FILE, STACKS_SIGNAL, boot_id, process_start_ticks
 
 # A member's heartbeat period: well under the launcher's heartbeat_timeout (10 s by default), so
@@ -142,12 +143,9 @@ class Member:
             threading.Thread(
                 target=self._leave_when_cut_off, name="workbench cut-off watch", daemon=True
             ).start()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
         return {
             "address": ray.util.get_node_ip_address(),
-            "port": port,
+            "port": free_ports(1, host="")[0],  # (TensorFlow binds every interface)
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "tmp_dir": self.tmp_dir,
