@@ -218,8 +218,9 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
 
 
 def test_a_pool_that_outgrew_its_memory_limit_is_renewed_and_the_next_run_says_why(monkeypatch):
-    """TensorFlow keeps every run's traced graphs (tensorflow#124972), so a warm process grows a
-    few MiB a run: past MEMORY_GROWTH_LIMIT over its first run's size, the pool is renewed."""
+    """TensorFlow keeps some native state of every run's traced step (docs decision 19), so a warm
+    process grows run by run: past MEMORY_GROWTH_LIMIT over its first run's size, the pool is
+    renewed."""
     repl = wb.MultiWorkerReplicator(num_workers=2)
     first = repl.train(setup=regression_setup, steps=10)
     # Any size at all, grown or not, to see the rule act: since a run's traces are forgotten with
@@ -231,7 +232,7 @@ def test_a_pool_that_outgrew_its_memory_limit_is_renewed_and_the_next_run_says_w
     third = repl.train(setup=regression_setup, steps=10)
     assert third.status == "finished" and not set(pids(third)) & set(pids(first))
     said = [t for t in messages(third) if "the last one was retired" in t]
-    assert said and "MiB over 2 runs: TensorFlow keeps every run's traced graphs" in said[0], messages(third)
+    assert said and "MiB over 2 runs: TensorFlow keeps some state of every run's" in said[0], messages(third)
     monkeypatch.setattr(pools, "MEMORY_GROWTH_LIMIT", 10.0)  # as good as never: the pool stays warm
     assert pids(repl.train(setup=regression_setup, steps=10)) == pids(third)
 

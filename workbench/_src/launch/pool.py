@@ -13,8 +13,10 @@ The rules, all here, the same for every placement (launch/placement.py):
     a worker that saw a collective fail cannot run collectives again); so does a pool found
     with a dead member when the next run takes it; the next run says so in one line;
   - a pool whose processes have grown by more than MEMORY_GROWTH_LIMIT since its first run is
-    renewed after a run (TensorFlow 2.21 never frees a traced graph, tensorflow#124972: every run
-    traces its step again, so a warm process grows by its graphs, ~5 MiB a run for a small MLP);
+    renewed after a run (every run builds its model and traces its step again, and TensorFlow
+    keeps some native state per trace for the process's life: a parameter server the part of
+    each function that ran on it, a multi-worker worker its collective runtime's state for
+    each traced collective and broadcast variable; docs decision 19);
   - a pool ends with `shutdown()` (repl.shutdown(), the panel's button, the session's
     replicator replaced), after `idle_timeout` seconds unused (a daemon timer: it never holds
     the interpreter), at interpreter exit (launch/exit.py), and when this process is killed
@@ -132,8 +134,9 @@ class Pool:
             if before and after and after > before * (1 + MEMORY_GROWTH_LIMIT):
                 return (
                     f"{process['role']} {process['index']} grew from {before / 2**20:.0f} to "
-                    f"{after / 2**20:.0f} MiB over {self.runs} runs: TensorFlow keeps every run's "
-                    "traced graphs, so a warm pool is renewed before it grows without bound"
+                    f"{after / 2**20:.0f} MiB over {self.runs} runs: TensorFlow keeps some state of "
+                    "every run's traced step for the process's life, so a warm pool is renewed "
+                    "before it grows without bound"
                 )
         return ""
 
