@@ -339,9 +339,8 @@ def ray_instance():
     import ray
 
     import workbench as wb
-    from workbench._src.core.owned_folders import pid_alive
     from workbench._src.launch import pool as pools
-    from workbench._src.placements.proc import pids_naming, process_tree
+    from workbench._src.placements.proc import pids_naming, process_tree, same_process_running
 
     assert not ray.is_initialized(), "a Ray connection was left by another test module"
     cluster = wb.RayCluster(address=None, resources_per_worker={"CPU": 0.5}, placement="pack")
@@ -351,10 +350,17 @@ def ray_instance():
         yield cluster
     finally:
         pools.shutdown()
-        instance = [pid for pid, _ in process_tree(pids_naming(root))]  # (agents retitle themselves)
+        instance = process_tree(pids_naming(root))  # (agents retitle themselves)
         cluster.shutdown()
-        # Nothing of it outlives the shutdown by more than its grace (its agents included).
-        wait_for(lambda: not any(pid_alive(pid) for pid in instance), 15, "the Ray instance's processes to end")
+        # Nothing of it outlives the shutdown by more than its grace (its agents included). Each
+        # process is named by pid and start time: pids here wrap at 32768 and a busy suite starts
+        # many processes, so a pid may be another process's within the 15 s (a loaded suite run
+        # timed out here, its instance's processes found by pid alone).
+        wait_for(
+            lambda: not any(same_process_running(*p) for p in instance),
+            15,
+            "the Ray instance's processes to end",
+        )
         assert not os.path.exists(root)
 
 

@@ -8,20 +8,17 @@ node; a node removed from a multi-node cluster on this machine takes its worker 
 test starts its own Ray processes and ends them by their handles (never `ray stop`).
 """
 
-import sys
-
 import cloudpickle
 import pytest
 import toy_models
 from helpers import assert_same_checkpoints, wait_for, wait_for_steps
-from toy_models import mlp_setup
+from toy_models import gated_mlp_setup, mlp_setup
 
 import workbench as wb
 from workbench._src.core.run_stats import heal_line
 
 pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray,test]"')
 cloudpickle.register_pickle_by_value(toy_models)  # setup= travels to the Ray actors
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (and _gated_mlp_setup's)
 
 
 def _messages(run, words: str) -> list[str]:
@@ -100,32 +97,6 @@ def test_a_pool_one_node_cannot_place_starts_on_fewer_workers_and_equals_one_dev
     assert_same_checkpoints(tmp_path / "elastic", tmp_path / "one", atol=1e-5)
 
 
-def _gated_mlp_setup(flag: str):
-    """mlp_setup whose every step waits 50 ms while the file `flag` exists (the test holds the
-    run there until it has grown back); the arithmetic is mlp_setup's."""
-
-    def setup(repl):
-        import os
-        import time
-
-        import tensorflow as tf
-
-        step_fn, input_fn = mlp_setup(repl)
-
-        def pause():
-            if os.path.exists(flag):
-                time.sleep(0.05)
-            return 0
-
-        def gated_step(xb, yb):
-            with tf.control_dependencies([tf.py_function(pause, [], tf.int32)]):
-                return step_fn(xb, yb)
-
-        return gated_step, input_fn
-
-    return setup
-
-
 def _two_ray_nodes():
     """A Ray cluster of two nodes of this machine's own (ray.cluster_utils: a head and a second
     node, 1 CPU each), and the second node. Tried twice: Ray gives a raylet a fixed 30 s to
@@ -164,7 +135,7 @@ def test_a_lost_node_heals_on_fewer_workers_and_grows_back_when_a_node_joins(tmp
         repl = wb.MultiWorkerReplicator(num_workers=2, min_workers=1, cluster=cluster, startup_timeout=90)
         flag = tmp_path / "hold"  # while it exists each step waits: the run cannot end before it grows
         run = repl.train(
-            setup=_gated_mlp_setup(str(flag)), steps=400, checkpoint_dir=tmp_path / "elastic",
+            setup=gated_mlp_setup(str(flag)), steps=400, checkpoint_dir=tmp_path / "elastic",
             checkpoint_every=25, max_restarts=1, background=True, steps_per_execution=5,
         )  # fmt: skip
         wait_for_steps(run, 120)

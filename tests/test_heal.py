@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 import toy_models
 from helpers import RUN_WAIT, assert_same_checkpoints, process_pid, wait_for, wait_for_steps
-from toy_models import mlp_setup
+from toy_models import gated_mlp_setup, mlp_setup
 
 import workbench as wb
 
@@ -37,7 +37,8 @@ def _kill_at_checkpoint(run, directory: Path, step: int, role: str, index: int) 
     """SIGKILLs a member once the run's checkpoint of `step` is on disk: the members' own progress.
     (The rows the notebook has received can trail them on a loaded machine: in a loaded suite run
     a kill sent at row 120 of 300 left the run finished with no heal, as a kill after its last
-    step would.)
+    step would.) The run must be held (gated_mlp_setup): ungated, a quiet CI run did its 300
+    steps between two looks, the checkpoint of step 100 already removed (three are kept).
     Returns what the notebook had seen at that moment."""
     wait_for(
         lambda: (directory / f"ckpt-{step}.index").exists() or not run.running, RUN_WAIT,
@@ -51,11 +52,14 @@ def _kill_at_checkpoint(run, directory: Path, step: int, role: str, index: int) 
 
 def test_a_killed_worker_heals_and_the_run_equals_an_uninterrupted_one(tmp_path):
     repl = wb.MultiWorkerReplicator(num_workers=2)
+    hold = tmp_path / "hold"  # while it exists each step waits 50 ms: the kill comes mid-run
+    hold.touch()
     run = repl.train(
-        setup=mlp_setup, steps=300, checkpoint_dir=tmp_path / "healed", checkpoint_every=50,
+        setup=gated_mlp_setup(str(hold)), steps=300, checkpoint_dir=tmp_path / "healed", checkpoint_every=50,
         max_restarts=2, background=True, steps_per_execution=5,
     )  # fmt: skip
     at_kill = _kill_at_checkpoint(run, tmp_path / "healed", 100, "worker", 1)
+    hold.unlink()
     run.wait(600)
     assert run.status == "finished", run.stop_reason
     history = run.history
@@ -80,8 +84,13 @@ def test_a_killed_worker_heals_and_the_run_equals_an_uninterrupted_one(tmp_path)
 def test_a_frozen_worker_heals_without_a_checkpoint_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the run's temporary checkpoints go
     repl = wb.MultiWorkerReplicator(num_workers=2, heartbeat_timeout=3)
-    run = repl.train(setup=mlp_setup, steps=200, max_restarts=1, background=True, steps_per_execution=5)
+    hold = tmp_path / "hold"  # (the stop comes mid-run, however far the rows trail the steps)
+    hold.touch()
+    run = repl.train(
+        setup=gated_mlp_setup(str(hold)), steps=200, max_restarts=1, background=True, steps_per_execution=5
+    )
     frozen = _kill_at_row(run, "worker", 1, 60, signal.SIGSTOP)
+    hold.unlink()
     run.wait(600)
     assert run.status == "finished", run.stop_reason
     assert run.history["step"].tolist() == list(range(1, 201))

@@ -111,7 +111,7 @@ def test_an_async_ps_worker_whose_node_is_lost_stays_dropped_and_the_run_goes_on
             driver.stdin.write("cut\n")
             driver.stdin.flush()
             result = read_until(driver, tmp_path, "RESULT", 600)
-            print("node lost:", {k: result[k] for k in ("named_s", "resumed_s", "stop_s", "rows_after")})
+            print("node lost:", {k: result[k] for k in ("named_s", "resumed_s", "stop_s", "rows_after", "after_s")})
             assert driver.wait(timeout=120) == 0, (tmp_path / "driver.err").read_text()[-3000:]
             # Nothing of the run is left on either node (the far one's once its raylet gives up).
             left = hosts.still_running([p["pid"] for p in training["processes"]])
@@ -125,7 +125,9 @@ def test_an_async_ps_worker_whose_node_is_lost_stays_dropped_and_the_run_goes_on
     lost = [t for t in result["said"] if t.startswith("worker 1 (")]
     assert len(lost) == 1 and f"its node {hosts.addresses[1]} is gone" in lost[0], result["said"]
     assert result["named_s"] < 30, result  # (Ray's health check here: dead after ~5 missed 1-s checks)
-    assert result["rows_after"] >= 100, result  # the other worker went on
+    # The other worker went on. (A loaded suite run once recorded 35 rows here; the messages and
+    # the seconds from the cut to the stop say whether the run stalled or went slowly.)
+    assert result["rows_after"] >= 100, (result["after_s"], result["status"], result["said"])
     # ... at once: the chunks in flight on the lost worker are given up once Ray has said it died,
     # not waited for until worker_timeout (60 s) declares it lost too. (Seconds on a quiet machine,
     # the time of the next 10 rows included: 10.9 s at load 30. Half of worker_timeout still tells

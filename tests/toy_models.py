@@ -47,3 +47,28 @@ def mlp_setup(repl, shuffle_seed=7):
 
     return step_fn, input_fn
 
+
+def gated_mlp_setup(flag: str):
+    """mlp_setup whose every step waits 50 ms while the file `flag` exists: a test holds the run
+    there, far from its end, until it has done what it waits for. The arithmetic is mlp_setup's."""
+
+    def setup(repl):
+        import os
+        import time
+
+        import tensorflow as tf
+
+        step_fn, input_fn = mlp_setup(repl)
+
+        def pause():
+            if os.path.exists(flag):
+                time.sleep(0.05)
+            return 0
+
+        def gated_step(xb, yb):
+            with tf.control_dependencies([tf.py_function(pause, [], tf.int32)]):
+                return step_fn(xb, yb)
+
+        return gated_step, input_fn
+
+    return setup

@@ -268,6 +268,7 @@ run.stop()
 run.wait(timeout=60)
 stopped = time.monotonic() - stopping
 out = {"status": run.status, "named_s": named, "resumed_s": resumed, "stop_s": stopped, "rows_after": run.steps - rows,
+       "after_s": stopping - cut,
        "workers": run.history["workers"].tolist(), "restarts": run.restarts, "said": said()}
 repl.shutdown()
 print("RESULT " + json.dumps(out, default=str), flush=True)
