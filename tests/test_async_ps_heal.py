@@ -96,18 +96,20 @@ def test_a_killed_async_ps_worker_is_replaced_while_the_other_goes_on(placement)
     # Dropped once the loss was seen, up again once the new server answered, and 2 to the end. A
     # local replacement can answer before the next row is recorded (a fork in ~0.1 s on a quiet
     # machine): then no row ran on one worker, and none says 1.
+    (heal,) = run.restarts
     dropped = workers.index(1) if 1 in workers else None
     if dropped is None:
         assert placement.name == "local" and set(workers) == {2}, workers
-        dropped = run.restarts[0]["lost_at"]
+        dropped = heal["lost_at"]
     else:
-        if (
-            placement.name == "local"
-        ):  # seen by its parent within the chunks in flight (2 per worker of 5 steps)
-            assert rows_at_kill <= dropped <= rows_at_kill + 4 * 5 * 2, (rows_at_kill, dropped)
+        if placement.name == "local":
+            # The column is read as each chunk's rows are recorded, after the chunk's check of the
+            # servers: it drops no later than the coordinator hears of the loss. (Not compared
+            # with rows_at_kill: the coordinator is another process, whose rows the notebook's
+            # trail on a loaded machine; CI saw the drop 350 rows past the 245 it had at the kill.)
+            assert rows_at_kill <= dropped <= heal["lost_at"], (rows_at_kill, dropped, heal)
         rose = workers.index(2, dropped)
         assert set(workers[dropped:rose]) == {1} and set(workers[rose:]) == {2}
-    (heal,) = run.restarts
     cause = KILLED[placement.name]
     assert heal["member"] == "worker 1" and heal["cause"] == cause and heal["replaced"], heal
     # (lost_at: the step at which the coordinator heard of the loss, the row where `workers` dropped)
