@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -215,6 +216,120 @@ def test_an_agent_port_is_never_one_the_kernel_hands_out_or_one_taken_or_given()
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[65533, 65535]", "3 1"], done.stdout
+
+
+# Starts a local instance and one actor, says where they are, then waits to be killed.
+KILLED_OWNER = """
+import json, os, time
+import workbench as wb
+cluster = wb.RayCluster(address=None, placement="pack")
+ray = cluster.connect()
+
+@ray.remote(num_cpus=0.5)
+class Probe:
+    def pid(self):
+        return os.getpid()
+
+actor = Probe.remote()
+said = {"root": cluster.local_root, "network": cluster.local_owner.network}
+print(json.dumps({**said, "actor": ray.get(actor.pid.remote(), timeout=300)}), flush=True)
+time.sleep(3600)
+"""
+
+
+def _instance_processes(network: str) -> list[tuple[int, int]]:
+    """(pid, start time) of every process in the instance's private network (its alone; a
+    process's environment is no guide: an agent that retitles itself may write over it)."""
+    from workbench._src.placements.proc import process_start_ticks
+
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and os.readlink(f"/proc/{name}/ns/net") == network:
+                found.append((int(name), process_start_ticks(int(name))))
+        except OSError:
+            continue
+    return found
+
+
+# The raylet's agents: by the titles they give themselves, or their scripts before they do.
+_AGENT_TITLES = ("DashboardAgent", "RuntimeEnvAgent", "/dashboard/agent.py", "/runtime_env/agent/main.py")
+
+
+def _is_agent(title: str) -> bool:
+    program = " ".join(title.split()[:3])  # (not its arguments: the raylet's name the agents' scripts)
+    return any(name in program for name in _AGENT_TITLES)
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_an_instance_whose_owner_is_killed_leaves_no_process_and_no_folder(tmp_path):
+    """A kernel SIGKILLed runs no exit code: the GCS and the raylet die with it (Ray ties them to
+    the thread that started them), but the raylet's agents lived on until their own check of the
+    raylet gave up (40-70 s here, minutes on a loaded machine). The instance's sentinel
+    (instance_sentinel.py) SIGKILLs all of it at once and removes its folder. Judged by what
+    happened, not by the clock: this process adopts the instance's orphans (a subreaper), so it
+    reaps each agent and reads how it ended: killed, not exited by itself."""
+    from helpers import adopt_orphans, wait_for
+
+    from workbench._src.placements.proc import same_process_running
+
+    if os.geteuid() != 0:
+        pytest.skip("not root: the instance runs in the host network (test_security_ray.py)")
+
+    log = open(tmp_path / "owner.log", "w+")
+    adopt_orphans(True)
+    try:
+        owner = subprocess.Popen(
+            [sys.executable, "-c", KILLED_OWNER], env={**os.environ, "PYTHONPATH": ROOT}, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            said = _first_json_line(log, owner, timeout=400)
+
+            def with_its_agents():  # (the raylet starts them as it goes: the node may be up first)
+                found = _instance_processes(said["network"])
+                titles = {pid: _title(pid) for pid, _ in found}
+                agents = [pid for pid, title in titles.items() if _is_agent(title)]
+                return (found, titles, agents) if len(agents) == 2 else None
+
+            instance, titles, agents = wait_for(with_its_agents, 300, "the raylet's two agents")
+            assert said["network"] != os.readlink("/proc/self/ns/net")  # (its own: instance_owner.py)
+            everything = " ".join(titles.values())
+            assert "gcs_server" in everything and "raylet" in everything and said["actor"] in titles, titles
+        finally:
+            owner.kill()
+            owner.wait()
+            log.close()
+        ended: dict[int, int] = {}
+
+        def all_ended() -> bool:
+            for pid, started in instance:
+                if pid not in ended:
+                    try:
+                        done, status = os.waitpid(pid, os.WNOHANG)  # (adopted: ours to reap)
+                    except ChildProcessError:  # (not ours: another's to reap)
+                        done, status = (pid, -1) if not same_process_running(pid, started) else (0, 0)
+                    if done:
+                        ended[pid] = status
+            return len(ended) == len(instance)
+
+        wait_for(all_ended, 300, "the instance's processes to end")  # (only ends a test that fails)
+    finally:
+        adopt_orphans(False)
+    # Each agent this process reaped was killed. (One killed before its raylet died is reaped by
+    # the raylet: -1 here. Without the sentinel every agent outlives the raylet, is adopted here
+    # and exits by itself.)
+    how = {f"{pid} {titles[pid].split()[0]}": ended[pid] for pid in agents}
+    read = [status for status in how.values() if status >= 0]
+    assert read and all(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL for status in read), how
+    wait_for(lambda: not os.path.exists(said["root"]), 30, "the instance's folder to be removed")
 
 
 def test_what_a_start_says_with_nobody_listening_is_heard_by_the_next_listener():

@@ -235,15 +235,17 @@ def test_an_instance_outlives_the_thread_that_started_it_and_a_second_one_starts
 
 # Not root, in a process with threads (a kernel): the instance's network cannot be joined.
 WITHOUT_ROOT = """
-import json, os, threading, warnings
+import json, os, tempfile, threading, warnings
 warnings.simplefilter("always")
 threading.Thread(target=threading.Event().wait, daemon=True).start()  # (a kernel has threads)
 from workbench._src.placements.ray.instance_owner import InstanceOwner
 with warnings.catch_warnings(record=True) as caught:
-    owners = [InstanceOwner(start=lambda: None, end=lambda: None) for _ in range(2)]  # two starts
-    for owner in owners:
+    roots = [tempfile.mkdtemp() for _ in range(2)]  # (each start's; its sentinel's to sweep)
+    owners = [InstanceOwner(start=lambda: None, end=lambda: None, root=root) for root in roots]  # two starts
+    for owner, root in zip(owners, roots):
         owner.wait()
         owner.release()
+        os.rmdir(root)
 print(json.dumps({"same": [o.network == os.readlink("/proc/self/ns/net") for o in owners],
                   "uid": os.getuid(), "warnings": [str(w.message) for w in caught]}))
 """

@@ -22,7 +22,10 @@ A thread that outlives the instance. Ray ties every process it starts to the *th
 started it (PR_SET_PDEATHSIG, whose "parent" is a thread): an instance started on a thread that
 then ended (a background run's, a pool's start) was SIGKILLed whole at that moment, and the
 driver ended itself a minute later ("Failed to connect to GCS within 60 seconds"). The owner
-thread waits until the instance is shut down (`release`), or for the process's end.
+thread waits until the instance is shut down (`release`), or for the process's end. A process
+that ends without shutting it down (SIGKILLed) takes the GCS and the raylet along, but not the
+raylet's agents: the sentinel it starts first in the private network ends those
+(instance_sentinel.py).
 
 Where refused: joining a namespace needs CAP_SYS_ADMIN over it. Without root a namespace comes
 with a user namespace of its own, which only a single-threaded process may join (a kernel has
@@ -36,6 +39,7 @@ import os
 import threading
 
 from workbench._src.placements.local import netns
+from workbench._src.placements.ray import instance_sentinel
 
 LABEL = "local Ray instance"
 FIX_WITHOUT_ROOT = (
@@ -50,13 +54,16 @@ class InstanceOwner:
     """Runs a local instance's start on a thread of its own, in a private network where allowed,
     and keeps that thread until `release()`.
 
-    Use: `owner = InstanceOwner(start, end)`, `owner.wait()` (raises what `start` raised); once the
-    instance is shut down, `owner.release()`. Interrupted while waiting (Ctrl-C), the caller gets
-    the interrupt at once; the start cannot be cut short, so `end()` ends it when it completes.
+    Use: `owner = InstanceOwner(start, end, root)`, `owner.wait()` (raises what `start` raised);
+    once the instance is shut down, `owner.release()`. Until then a sentinel process
+    (instance_sentinel.py) ends the instance in `root` if this process dies without doing so.
+    Interrupted while waiting (Ctrl-C), the caller gets the interrupt at once; the start cannot be
+    cut short, so `end()` ends it when it completes.
     """
 
-    def __init__(self, start, end):
-        self._start, self._end = start, end
+    def __init__(self, start, end, root: str):
+        self._start, self._end, self._root = start, end, root
+        self._sentinel = None
         self._lock = threading.Lock()
         self._finished = self._abandoned = False
         self._error: BaseException | None = None
@@ -78,13 +85,22 @@ class InstanceOwner:
             raise self._error
 
     def release(self) -> None:
-        """The instance is shut down: the thread may end."""
+        """The instance is shut down: its sentinel ends, the thread may end."""
+        self._stop_sentinel()
         self._released.set()
+
+    def _stop_sentinel(self) -> None:
+        with self._lock:
+            sentinel, self._sentinel = self._sentinel, None
+        if sentinel is not None:
+            instance_sentinel.stop(sentinel)
 
     def _own(self) -> None:
         try:
             _enter_private_network()
             self.network = os.readlink("/proc/thread-self/ns/net")
+            # (started here: in the instance's network, before any process of the instance)
+            self._sentinel = instance_sentinel.start(self._root)
             self._start()
         except BaseException as error:  # (handed to the waiting caller)
             self._error = error
@@ -95,6 +111,7 @@ class InstanceOwner:
             self._end()  # (nobody connected to it: nothing of it may stay)
         elif self._error is None:
             self._released.wait()
+        self._stop_sentinel()  # (a failed start's processes were ended by the start itself)
 
 
 def _enter_private_network() -> None:

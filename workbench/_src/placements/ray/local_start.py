@@ -32,6 +32,7 @@ import signal
 import time
 
 from workbench._src.compat import ray_connect_state_accessor, ray_start_internals, ray_write_port_files
+from workbench._src.core import exit as process_exit
 from workbench._src.core.errors import ConfigurationError
 from workbench._src.core.owned_folders import pid_alive
 from workbench._src.launch.start_progress import Phases, say
@@ -102,8 +103,11 @@ def start_local(ray, init: dict, root: str) -> InstanceOwner:
     def start():
         _start_tried_twice(ray, init, root)
 
-    owner = InstanceOwner(start, end=lambda: end_failed_start(root))
+    owner = InstanceOwner(start, end=lambda: end_failed_start(root), root=root)
     owner.wait()
+    # At exit, after the instance is ended (cluster.end_local_instance, the same stage, registered
+    # earlier): its sentinel then exits with nothing to end, not a moment after this process.
+    process_exit.on_exit("ray", owner.release)
     owner_only_token()  # (Ray made it, if it had to)
     say("the Ray node is up")
     return owner
