@@ -140,6 +140,29 @@ def test_saver_resumes_only_when_asked(tmp_path):
     np.testing.assert_array_equal(model2.get_weights()[0], saved[0])
 
 
+def test_resume_names_the_step_of_the_checkpoint_to_restore(tmp_path):
+    """resume=N restores ckpt-N, not the latest (a healed run resumes from the checkpoint its
+    history was rewound to: launch/heal.py); a step with no checkpoint there is a clear error."""
+    repl = wb.replicator("single")
+    model, adam, step_fn, input_fn = _setup(repl)
+    repl.train(step_fn, input_fn, steps=30, checkpoint_dir=tmp_path, checkpoint_every=10, checkpoint={"model": model})
+    assert tf.train.latest_checkpoint(str(tmp_path)).endswith("ckpt-30")
+    plain = make_mlp(seed=5)  # (plain TensorFlow's reading of ckpt-20)
+    tf.train.Checkpoint(model=plain).restore(str(tmp_path / "ckpt-20")).expect_partial()
+    at_20 = plain.get_weights()[0]
+
+    fresh = wb.replicator("single")
+    model2, _, step_fn2, input_fn2 = _setup(fresh, seed=9)
+    run = fresh.train(step_fn2, input_fn2, steps=0, checkpoint_dir=tmp_path, resume=20, checkpoint={"model": model2})
+    assert "resumed from checkpoint at step 20" in run.events[0].data["text"], run.events[0].data
+    np.testing.assert_array_equal(model2.get_weights()[0], at_20)
+    with pytest.raises(wb.ConfigurationError, match=r"resume=5 names no checkpoint in .*ckpt-10, ckpt-20, ckpt-30"):
+        fresh.train(step_fn2, input_fn2, steps=0, checkpoint_dir=tmp_path, resume=5, checkpoint={"model": model2})
+    for wrong in (-1, "20", 2.0):
+        with pytest.raises(wb.ConfigurationError, match=r"resume must be True, False or the step of a checkpoint"):
+            fresh.train(step_fn2, input_fn2, steps=0, checkpoint_dir=tmp_path, resume=wrong)
+
+
 def test_check_writable_directory(tmp_path):
     made = check_writable_directory(os.path.relpath(tmp_path / "a" / "b"))
     assert made == str(tmp_path / "a" / "b") and os.path.isdir(made)

@@ -50,16 +50,19 @@ class Saver:
       program: the run's compiled program (its steps_done is saved and restored).
       directory: checkpoint_dir: restored from, and written to unless write_directory differs.
       items: the trackables to save by name (`named_items`).
-      resume: restore_if_any() restores the latest checkpoint in `directory` only when True.
+      resume: restore_if_any() restores the latest checkpoint in `directory` when True, the
+        checkpoint of that step when a step number (int, not bool), nothing when False.
       write_directory: where this process writes (multi-worker: every worker saves, as the save
         is collective, but only the chief's copy is kept; every worker restores from `directory`).
     """
 
-    def __init__(self, program, directory, items: dict, resume: bool = True, write_directory=None):
+    def __init__(self, program, directory, items: dict, resume: bool | int = True, write_directory=None):
         t = tf()
         self.directory = os.fspath(directory)
         self.program = program
-        self.resume = bool(resume)
+        self.resume = resume
+        # (checked now, before the run: a failing run saves what it has, over the folder's latest)
+        self._resume_path = None if isinstance(resume, bool) else self._checkpoint_of_step(resume)
         self.items = items
         self.step = t.Variable(0, dtype=t.int64, trainable=False)
         self.state = RunState()  # the input's position and the run's goal (core/resume.py)
@@ -79,11 +82,11 @@ class Saver:
         self._saved = None  # (step, goal) of the last save
 
     def restore_if_any(self) -> Restored | None:
-        """Restores the latest checkpoint (either layout) when resume=True and this program has not
-        stepped yet, with the input fast-forwarded to where it was; else None."""
-        if not self.resume or self.program.steps_done:
+        """Restores the checkpoint `resume` names (the latest, or the one of a step) when this
+        program has not stepped yet, with the input fast-forwarded to where it was; else None."""
+        if self.resume is False or self.program.steps_done:
             return None
-        latest = tf().train.latest_checkpoint(self.directory)
+        latest = self._resume_path or tf().train.latest_checkpoint(self.directory)
         if not latest:
             return None
         _reader_for(latest, self.items, self.step, self.state).restore(latest).expect_partial()
@@ -95,6 +98,22 @@ class Saver:
         notes = self.program.fast_forward(position)
         self._saved = (step, goal)
         return Restored(step, position, goal, asked, notes)
+
+    def _checkpoint_of_step(self, step: int) -> str:
+        """`directory`/ckpt-<step>, or a ConfigurationError saying which steps are there."""
+        path = os.path.join(self.directory, f"ckpt-{step}")
+        if tf().io.gfile.exists(path + ".index"):
+            return path
+        state = tf().train.get_checkpoint_state(self.directory)
+        there = sorted(
+            (os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else ())),
+            key=lambda name: int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else -1,
+        )
+        raise ConfigurationError(
+            f"resume={step} names no checkpoint in {self.directory}: there is no ckpt-{step} there "
+            f"(it holds {', '.join(there) or 'no checkpoint'}; the last {CheckpointFiles.MAX_TO_KEEP} are "
+            "kept). Fix: resume= one of those steps, or resume=True for the latest."
+        )
 
     @property
     def latest_checkpoint(self) -> str | None:

@@ -25,7 +25,8 @@ class RunOptions:
       checkpoint: what to save: a tf.train.Checkpoint or a dict of trackables (e.g.
         {"model": model, "optimizer": opt}); default: every variable created in repl.context().
       resume: restore the latest checkpoint in checkpoint_dir first, and go on counting from
-        its step (False: start from the variables as they are, and save over it).
+        its step (False: start from the variables as they are, and save over it; a step number
+        N: the checkpoint of step N, `ckpt-N`, which must be there).
       on_nonfinite: a NaN/Inf metric "stop"s the run with a warning, "raise"s NonFiniteError
         (the partial run in `err.run`), or is "ignore"d.
       warmup: steps run first, before the recorded ones: untimed and not in the history (they
@@ -51,7 +52,7 @@ class RunOptions:
     checkpoint_dir: str | os.PathLike | None = None
     checkpoint: object = None
     checkpoint_every: int | None = None
-    resume: bool = True
+    resume: bool | int = True
     on_nonfinite: Literal["stop", "raise", "ignore"] = "stop"
     warmup: int = 0
     background: bool = False
@@ -90,8 +91,11 @@ class RunOptions:
             raise ConfigurationError(
                 f"breakdown must be True or False; received breakdown={self.breakdown!r}."
             )
-        if not isinstance(self.resume, bool):
-            raise ConfigurationError(f"resume must be True or False; received resume={self.resume!r}.")
+        if not isinstance(self.resume, int) or (not isinstance(self.resume, bool) and self.resume < 0):
+            raise ConfigurationError(
+                f"resume must be True, False or the step of a checkpoint to restore (an integer >= 0); "
+                f"received resume={self.resume!r}."
+            )
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
             raise ConfigurationError(
                 f"max_restarts must be an integer >= 0 (heals of a run on worker processes); received "

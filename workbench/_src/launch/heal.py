@@ -25,6 +25,7 @@ again).
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import time
@@ -112,7 +113,7 @@ class Healing:
             run.publish("restart", run_step=run_step, snapshot=run.snapshot, **record)  # (rewound)
         self.continued = True
         if global_step is not None:  # a checkpoint of this run exists: the next attempt resumes it
-            self.options["resume"] = True
+            self.options["resume"] = self._resume_option(global_step)
         else:  # the next attempt starts the run anew: its "started" says where it begins
             self.first_global = None
         self.options["warmup"] = 0  # (the first attempt's warm-up steps are in the checkpoint)
@@ -139,6 +140,28 @@ class Healing:
         saved = [e.data.get("path") or "" for e in self.run.events if e.kind == "checkpoint"]
         numbers = [int(m.group(1)) for m in map(_CHECKPOINT_NUMBER.search, saved) if m]
         return numbers[-1] if numbers else None
+
+    def _resume_option(self, global_step: int) -> int | bool:
+        """What the next attempt restores: the checkpoint of `global_step`, the last one this
+        process heard of and the step its history is rewound to. Not the latest in the folder: a
+        lost member may have saved later ones whose rows never arrived (a loaded CI run resumed
+        from ckpt-125 with rows up to step 100: steps 101-125 were missing from the history).
+        The latest where that checkpoint is not to be seen from here (a folder on the members'
+        hosts only), or was removed since (only the last few are kept)."""
+        path = next(
+            (e.data["path"] for e in reversed(self.run.events)
+             if e.kind == "checkpoint" and str(e.data.get("path", "")).endswith(f"ckpt-{global_step}")),
+            None,
+        )  # fmt: skip
+        if path and os.path.exists(path + ".index"):
+            return global_step
+        self.run.publish(
+            "message",
+            text=f"the checkpoint of step {global_step} is not to be seen from here ({path}): the run "
+            "resumes from the latest one in its folder; if that is a later one, the steps between have "
+            "no rows in its history",
+        )
+        return True
 
     def close(self) -> None:
         if self.scratch is not None:
