@@ -25,6 +25,7 @@ import queue
 import threading
 
 from workbench._src import compat
+from workbench._src.core.checkpoint_files import CheckpointFiles, checkpoint_of_step
 from workbench._src.core.errors import ConfigurationError, WorkerError
 from workbench._src.core.optimizer import ReplicatedOptimizer
 from workbench._src.core.resume import STATE_NAME, RunState
@@ -62,7 +63,7 @@ class Saver:
         self.program = program
         self.resume = resume
         # (checked now, before the run: a failing run saves what it has, over the folder's latest)
-        self._resume_path = None if isinstance(resume, bool) else self._checkpoint_of_step(resume)
+        self._resume_path = None if isinstance(resume, bool) else checkpoint_of_step(self.directory, resume)
         self.items = items
         self.step = t.Variable(0, dtype=t.int64, trainable=False)
         self.state = RunState()  # the input's position and the run's goal (core/resume.py)
@@ -98,22 +99,6 @@ class Saver:
         notes = self.program.fast_forward(position)
         self._saved = (step, goal)
         return Restored(step, position, goal, asked, notes)
-
-    def _checkpoint_of_step(self, step: int) -> str:
-        """`directory`/ckpt-<step>, or a ConfigurationError saying which steps are there."""
-        path = os.path.join(self.directory, f"ckpt-{step}")
-        if tf().io.gfile.exists(path + ".index"):
-            return path
-        state = tf().train.get_checkpoint_state(self.directory)
-        there = sorted(
-            (os.path.basename(p) for p in (state.all_model_checkpoint_paths if state else ())),
-            key=lambda name: int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[-1].isdigit() else -1,
-        )
-        raise ConfigurationError(
-            f"resume={step} names no checkpoint in {self.directory}: there is no ckpt-{step} there "
-            f"(it holds {', '.join(there) or 'no checkpoint'}; the last {CheckpointFiles.MAX_TO_KEEP} are "
-            "kept). Fix: resume= one of those steps, or resume=True for the latest."
-        )
 
     @property
     def latest_checkpoint(self) -> str | None:
@@ -261,39 +246,6 @@ def _single_file_write(checkpoint):
         return _save_v2(prefix, keys, [tensors[k] for k in keys])
 
     return write
-
-
-class CheckpointFiles:
-    """The files of a checkpoint folder, as tf.train.CheckpointManager keeps them: `ckpt-N`
-    prefixes, the last MAX_TO_KEEP kept, and the `checkpoint` state file that
-    tf.train.latest_checkpoint reads (relative paths: the folder can be moved)."""
-
-    MAX_TO_KEEP = 3
-    STATE_FILE = "checkpoint"
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        state = tf().train.get_checkpoint_state(directory)  # (a run that resumes here keeps these)
-        self.kept = list(state.all_model_checkpoint_paths) if state is not None else []
-        self.latest: str | None = None
-
-    def path(self, number: int) -> str:
-        return os.path.join(self.directory, f"ckpt-{number}")
-
-    def saved(self, path: str) -> None:
-        gfile = tf().io.gfile
-        self.kept = [p for p in self.kept if os.path.basename(p) != os.path.basename(path)] + [path]
-        for old in self.kept[: -self.MAX_TO_KEEP]:
-            for file in gfile.glob(f"{old}.*"):
-                gfile.remove(file)
-        self.kept = self.kept[-self.MAX_TO_KEEP :]
-        lines = [f'model_checkpoint_path: "{os.path.basename(path)}"']
-        lines += [f'all_model_checkpoint_paths: "{os.path.basename(p)}"' for p in self.kept]
-        state = os.path.join(self.directory, self.STATE_FILE)
-        with gfile.GFile(state + ".tmp", "w") as f:
-            f.write("\n".join(lines) + "\n")
-        gfile.rename(state + ".tmp", state, overwrite=True)  # readers never see half a file
-        self.latest = path
 
 
 @dataclasses.dataclass
