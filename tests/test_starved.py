@@ -150,6 +150,30 @@ def test_a_silent_member_asleep_in_a_call_is_given_the_limit_and_a_stopped_one_i
         group.stop()
 
 
+def test_a_member_first_looked_at_past_the_timeout_is_measured_before_it_is_judged(tmp_path):
+    """A loaded launcher can look at a member for the first time since its last message only
+    after the heartbeat timeout: nothing says yet whether it ran, waited for a CPU or slept. It is
+    measured from that look on, not named frozen at once (a loaded CI run named a Ray worker asleep
+    in its strategy's start "no heartbeat for 3 s and almost no CPU time used")."""
+    (tmp_path / "sleep.py").write_text(SLEEP)
+    group = ProcessGroup("looked at late", private_network=False)
+    try:
+        asleep = group.start("worker", 0, "sleep", {"PYTHONPATH": str(tmp_path)})
+        _wait_for_no_cpu(asleep.pid)
+        timeout = 0.5
+        liveness, heard = Liveness(timeout), time.monotonic()
+        time.sleep(3 * timeout)  # (no look since its message)
+        idle = liveness.idle_for("worker:0", asleep, heard, time.monotonic())
+        assert idle <= timeout and liveness.silence("worker:0", asleep, 3 * timeout, idle) is None, idle
+        time.sleep(3 * timeout)  # measured now: asleep, so given the limit
+        idle = liveness.idle_for("worker:0", asleep, heard, time.monotonic())
+        assert idle > timeout and liveness.silence("worker:0", asleep, 6 * timeout, idle) is None, idle
+        how, _ = liveness.silence("worker:0", asleep, (BUSY_SILENCE_LIMIT + 1) * timeout, idle)
+        assert how.endswith("asleep in one call that did not return"), how
+    finally:
+        group.stop()
+
+
 def _wait_for_no_cpu(pid: int) -> None:
     used = None
     for _ in range(600):
