@@ -313,11 +313,12 @@ def test_malformed_tf_config(monkeypatch, raw, message):
 
 
 def _free_port() -> int:
-    import socket
+    """A free port outside the kernel's ephemeral range (placements/ports.py): TensorFlow's server
+    binds it later, and a port the kernel hands out could be another socket's by then (CI: "Could
+    not start gRPC server")."""
+    from workbench._src.placements.ports import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def _resolver(ports, index):
@@ -349,7 +350,9 @@ def test_peers_waiting_for_each_other_all_go_on():
 
     from workbench._src.backends.join_watchdog import wait_for_peers
 
-    ports = [_free_port(), _free_port(), _free_port()]
+    from workbench._src.placements.ports import free_ports
+
+    ports = free_ports(3)  # (distinct, outside the ephemeral range: _free_port)
     results, servers, all_done = {}, [], threading.Event()
 
     def task(i):
