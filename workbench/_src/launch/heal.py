@@ -144,16 +144,12 @@ class Healing:
     def _resume_option(self, global_step: int) -> int | bool:
         """What the next attempt restores: the checkpoint of `global_step`, the last one this
         process heard of and the step its history is rewound to. Not the latest in the folder: a
-        lost member may have saved later ones whose rows never arrived (a loaded CI run resumed
-        from ckpt-125 with rows up to step 100: steps 101-125 were missing from the history).
-        The latest where that checkpoint is not to be seen from here (a folder on the members'
-        hosts only), or was removed since (only the last few are kept)."""
-        path = next(
-            (e.data["path"] for e in reversed(self.run.events)
-             if e.kind == "checkpoint" and str(e.data.get("path", "")).endswith(f"ckpt-{global_step}")),
-            None,
-        )  # fmt: skip
-        if path and os.path.exists(path + ".index"):
+        lost member may have saved later ones whose rows never arrived (on a loaded machine the
+        rows trail the members' saves). The latest where that checkpoint is not to be seen from
+        here (a folder on the members' hosts only), or was removed since (only the last few are
+        kept)."""
+        path = os.path.join(self.options["checkpoint_dir"], f"ckpt-{global_step}")  # (where it is restored from)
+        if os.path.exists(path + ".index"):
             return global_step
         self.run.publish(
             "message",

@@ -4,7 +4,7 @@ that owns it dies without shutting it down (a kernel SIGKILLed, os._exit, the ma
 Why. Ray ties the GCS and the raylet to the thread that started them (PR_SET_PDEATHSIG), so they
 die with their owner; their actors follow the raylet. The raylet's agents (ray::DashboardAgent,
 ray::RuntimeEnvAgent) do not: they notice their raylet is gone only after their own check gives
-up, and outlived a SIGKILLed owner by 3-10 minutes, holding ports, memory and the instance's
+up, and outlived a SIGKILLed owner by 40 s to minutes, holding ports, memory and the instance's
 folder. A normal shutdown ends them by pid (cluster.end_local_instance); a dead owner runs no code.
 
 How. The owner thread starts the sentinel right after entering the instance's private network
