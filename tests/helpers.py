@@ -181,12 +181,6 @@ def shell_reply(kc, msg_id: str, timeout: float, what: str) -> dict:
     raise AssertionError(f"the kernel did not finish {what} within {timeout} s")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def nan_after_fifty_setup(repl):
     import tensorflow as tf
 

@@ -19,7 +19,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -183,9 +182,11 @@ def _require_browser():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a Jupyter server that binds it seconds later: outside the kernel's ephemeral
+    range, where no other socket's own end lands meanwhile (placements/ports.py)."""
+    from workbench._src.placements.ports import free_ports
+
+    return free_ports(1)[0]
 
 
 def _children(pid: int) -> list[int]:
