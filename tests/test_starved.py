@@ -15,7 +15,7 @@ import time
 
 from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT, Liveness
 from workbench._src.placements.local.processes import ProcessGroup
-from workbench._src.placements.proc import process_cpu_seconds, process_cpu_wait
+from workbench._src.placements.proc import CpuWaitCounter, process_cpu_seconds, process_cpu_wait
 
 SPIN = "while True: pass"
 
@@ -113,6 +113,62 @@ def test_the_watch_counts_a_starved_member_alive_and_a_stopped_one_silent(tmp_pa
         assert idle["worker:1"] >= 3  # stopped: silent all along
     finally:
         group.stop()
+
+
+# Three threads on one CPU, hashing (hashlib lets go of the GIL) until told to end; then the
+# process goes on without them.
+THREADS_THAT_WAIT = """
+import hashlib, os, sys, threading, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+data, done = bytes(16 << 20), threading.Event()
+def hash_until_done():
+    while not done.is_set():
+        hashlib.sha256().update(data)
+threads = [threading.Thread(target=hash_until_done) for _ in range(3)]
+for t in threads:
+    t.start()
+print("hashing", flush=True)
+sys.stdin.readline()
+done.set()
+for t in threads:
+    t.join()
+print("ended", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_wait_of_threads_that_ended_still_counts():
+    """A member's wait for a CPU only grows: /proc shows live threads alone, and TensorFlow ends
+    threads all along; a sum that fell when they ended would make a starved member read twice
+    seem to have waited nothing (the watch would take it for a stopped one)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", THREADS_THAT_WAIT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "hashing"
+        counter, deadline = CpuWaitCounter(), time.monotonic() + 120
+        while time.monotonic() < deadline:
+            during = counter.read([child.pid])
+            threads_wait = during[0] - _main_thread_wait(child.pid)  # the three threads' waits, read
+            if threads_wait >= 0.1:  # (three runnable threads on one CPU wait for it most of the time)
+                break
+            time.sleep(0.05)
+        assert threads_wait >= 0.1, (during, threads_wait)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ended"
+        while len(os.listdir(f"/proc/{child.pid}/task")) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # (a joined thread's task leaves /proc a moment after the join)
+        live_threads_only = process_cpu_wait(child.pid)  # (the main thread alone now)
+        after = counter.read([child.pid])
+        assert after[0] >= during[0], (during, after)
+        # What the ended threads had waited when last read is kept (waits they added after that
+        # read, while ending, are not seen: /proc shows a thread only while it lives).
+        assert after[0] - live_threads_only[0] >= threads_wait, (during, after, live_threads_only)
+        assert counter.read([2**22 + 1]) is None  # (no such pid)
+    finally:
+        child.kill()
+        child.wait()
 
 
 SLEEP = "import time\nwhile True: time.sleep(60)"
@@ -226,6 +282,11 @@ def test_a_start_past_startup_timeout_goes_on_while_starved_and_fails_once_stopp
         assert StartDeadline(120, 10).describe(time.monotonic()) == "startup_timeout=120 s"  # never judged
     finally:
         group.stop()
+
+
+def _main_thread_wait(pid: int) -> float:
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
 
 
 def _wait_for_state(pid: int, state: str, within: float = 60.0) -> None:

@@ -79,22 +79,56 @@ def process_cpu_wait(pid: int) -> tuple[float, bool] | None:
     run-queue delay of /proc/PID/task/*/schedstat, summed; whether a thread is runnable now: state
     R). Both say a busy machine starves it, neither grows while it is stopped or asleep; the delay
     is added only once a thread gets the CPU, so a process that gets none shows by its state.
+    Threads that have ended are not counted (CpuWaitCounter counts them). None: gone, or not
+    shown by this kernel."""
+    read = _thread_waits(pid)
+    return None if read is None else (sum(read[0].values()) / 1e9, read[1])
+
+
+def _thread_waits(pid: int) -> tuple[dict[str, int], bool] | None:
+    """Each live thread's run-queue delay (ns, by thread id) and whether one is runnable now;
     None: gone, or not shown by this kernel."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    total, runnable, read = 0, False, False
+    waits, runnable = {}, False
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])  # on the CPU, waiting to run (ns), timeslices
+                waits[tid] = int(f.read().split()[1])  # on the CPU, waiting to run (ns), timeslices
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 runnable |= f.read().rsplit(")", 1)[1].split()[0] == "R"
-            read = True
         except (OSError, IndexError, ValueError):  # a thread ended meanwhile
             continue
-    return (total / 1e9, runnable) if read else None
+    return (waits, runnable) if waits else None
+
+
+class CpuWaitCounter:
+    """The wait for a CPU of one member's processes (process_cpu_wait), with the waits of their
+    threads that have ended kept: /proc shows live threads only, and TensorFlow starts and ends
+    threads all along (tf.data's, a strategy's start), so a sum over live threads alone falls
+    when one ends, and a starved member read twice would seem not to have waited at all. A
+    thread is counted at its last reading; a process among the pids that ended keeps its
+    threads' waits too. One counter per member: it remembers the threads it has read."""
+
+    def __init__(self):
+        self._last: dict[tuple[int, str], int] = {}  # (pid, thread id) -> its delay (ns) at the last read
+        self._ended = 0  # ns waited by threads read before and gone since
+
+    def read(self, pids: list[int]) -> tuple[float, bool] | None:
+        """(Seconds waited, runnable now) of the pids' threads, summed over every thread ever
+        read here; None when the first pid is gone."""
+        first = _thread_waits(pids[0])
+        if first is None:
+            return None
+        reads = [(pids[0], first)] + [(pid, r) for pid in pids[1:] if (r := _thread_waits(pid)) is not None]
+        now = {(pid, tid): ns for pid, (waits, _) in reads for tid, ns in waits.items()}
+        for key, ns in self._last.items():
+            if now.get(key, -1) < ns:  # ended (or its id taken by a new thread, whose delay starts at 0)
+                self._ended += ns
+        self._last = now
+        return (self._ended + sum(now.values())) / 1e9, any(runnable for _, (_, runnable) in reads)
 
 
 def processes_cpu_seconds(pids: list[int]) -> float | None:
@@ -104,16 +138,6 @@ def processes_cpu_seconds(pids: list[int]) -> float | None:
     if first is None:
         return None
     return first + sum(filter(None, map(process_cpu_seconds, pids[1:])))
-
-
-def processes_cpu_wait(pids: list[int]) -> tuple[float, bool] | None:
-    """process_cpu_wait of the first pid with the others' added: the waits summed, runnable if
-    any thread of them is (None: the first is gone)."""
-    first = process_cpu_wait(pids[0])
-    if first is None:
-        return None
-    waits = [first, *filter(None, map(process_cpu_wait, pids[1:]))]
-    return sum(w[0] for w in waits), any(w[1] for w in waits)
 
 
 def process_start_ticks(pid: int) -> int | None:

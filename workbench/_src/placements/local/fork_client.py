@@ -30,7 +30,7 @@ from workbench._src.placements.local.fork_server import (
     FORKED_MODULES,
     import_time_environment,
 )
-from workbench._src.placements.proc import process_cpu_seconds, process_cpu_wait, socket_folder
+from workbench._src.placements.proc import CpuWaitCounter, process_cpu_seconds, socket_folder
 
 # How long this process waits for its fork server's own import (TensorFlow's) before it starts
 # its processes without one, once the import stops making progress (launch/start_progress.py:
@@ -330,12 +330,13 @@ class _Process:
 
     def __init__(self, pid: int):
         self.pid = pid
+        self.cpu_waits = CpuWaitCounter()
 
     def cpu_seconds(self, with_own: bool = False) -> float | None:
         return process_cpu_seconds(self.pid)
 
     def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
-        return process_cpu_wait(self.pid)
+        return self.cpu_waits.read([self.pid])
 
 
 def _end_all_at_exit() -> None:

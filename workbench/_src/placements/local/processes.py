@@ -46,10 +46,10 @@ from workbench._src.placements.local import fork_client, netns
 from workbench._src.placements.ports import LOOPBACK
 from workbench._src.placements.proc import (
     STACKS_SIGNAL,
+    CpuWaitCounter,
     dumped_stacks,
     process_stopped,
     processes_cpu_seconds,
-    processes_cpu_wait,
 )
 
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
@@ -84,6 +84,9 @@ class Child:
     # (a SIGKILL by pid once took down a pytest worker that way). None: no pidfd here.
     pidfd: int | None = None
     own_pids: list = field(default_factory=list)  # what it started itself (launch/placement.Member)
+    # Its wait for a CPU, with and without its own processes (one counter per set of pids read:
+    # each remembers the threads it has seen).
+    cpu_waits: dict = field(default_factory=lambda: {False: CpuWaitCounter(), True: CpuWaitCounter()})
 
     def __post_init__(self):
         with contextlib.suppress(OSError, AttributeError):  # (AttributeError: Python < 3.9)
@@ -135,8 +138,8 @@ class Child:
 
     def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
         """How its threads (with_own: and its own processes') wait for a CPU
-        (proc.process_cpu_wait), or None when it is gone."""
-        return processes_cpu_wait([self.pid, *(self.own_pids if with_own else ())])
+        (proc.CpuWaitCounter: ended threads' waits kept), or None when it is gone."""
+        return self.cpu_waits[with_own].read([self.pid, *(self.own_pids if with_own else ())])
 
     def stopped(self) -> bool:
         """Whether it is stopped now (SIGSTOP, a debugger's stop)."""

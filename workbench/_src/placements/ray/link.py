@@ -26,10 +26,10 @@ import time
 from workbench._src.placements.proc import (
     STACKS_FILE,
     STACKS_SIGNAL,
+    CpuWaitCounter,
     boot_id,
     dumped_stacks,
     process_cpu_seconds,
-    process_cpu_wait,
     process_start_ticks,
     process_stopped,
     same_process_running,
@@ -92,6 +92,7 @@ class RayMember:
         )
         self._started = started
         self._cpu_readable = same_machine and started is not None and started == process_start_ticks(self.pid)
+        self._cpu_waits = CpuWaitCounter()
         self.dead = False
         self.death = ""
         self.exited = False  # it left its serve loop (shutdown)
@@ -149,7 +150,7 @@ class RayMember:
 
     def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
         """How its threads wait for a CPU, where it can be read (this node)."""
-        return process_cpu_wait(self.pid) if self._cpu_readable else None
+        return self._cpu_waits.read([self.pid]) if self._cpu_readable else None
 
     def stopped(self) -> bool:
         """Whether it is stopped now, where its state can be read (this node)."""
