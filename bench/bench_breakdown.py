@@ -10,6 +10,8 @@ as large as it gets; a larger model only lowers it. Printed per replica count: s
 (median of --repeats) and the ratio on/off (goal >= 0.97), the median of paired ratios, and
 the ratio of this process's CPU seconds per step off/on (what the readings cost in work, which
 other processes on a shared machine disturb less than wall time).
+A run of at most breakdown.EVERY_STEP_UP_TO steps times every step instead of a sample: give
+--steps at most that many to measure what that costs.
 Benchmarks never assert timings; say the machine's load (printed) with the figures.
 """
 

@@ -79,7 +79,7 @@ def test_input_bound_pipeline_is_named_with_its_fix():
     assert list(table.columns) == [*PARTS, "step", "steps"] and list(table.index) == [0]
     assert shares(table).loc[0, "input"] >= 0.5, table.to_string()
     assert_parts_add_up(table)
-    assert 0 < table.loc[0, "steps"] < run.steps  # a sample of the steps, not all
+    assert 0 < table.loc[0, "steps"] < run.steps  # not the first chunk's (it traced the loop)
     assert run.diagnosis().startswith("input-bound: ") and "prefetch(tf.data.AUTOTUNE)" in run.diagnosis()
     assert run.summary()["breakdown"] == run.diagnosis()
     kinds = [e.kind for e in run.events]
@@ -101,6 +101,25 @@ def test_mirrored_counts_the_gradient_all_reduce_as_communication():
     assert list(table.index) == [0]  # one process: one row
     assert table.loc[0, "communication"] > 0, table.to_string()
     assert_parts_add_up(table)
+
+
+def test_a_short_run_times_every_step_and_a_long_one_a_sample(monkeypatch):
+    """Up to EVERY_STEP_UP_TO steps every step reads the clock and the untimed variant of the
+    loop is never traced nor run (in a warm pool each variant run leaves TensorFlow's
+    collective runtime holding memory); past it, about SAMPLE_SHARE of the steps are timed."""
+    repl = wb.NonReplicator()
+    short = repl.train(setup=sleepy_pipeline_setup, steps=60)
+    (program,) = repl._programs.values()
+    assert program.traced_variants == {True} and program.executed_variants == {True}
+    timed, after_tracing = short.breakdown().loc[0, "steps"], short.steps - short.history["step"].min()
+    assert 0 < timed and timed >= after_tracing - 1, (timed, short.steps)  # all but the first chunk's
+
+    monkeypatch.setattr(breakdown, "EVERY_STEP_UP_TO", 50)
+    repl = wb.NonReplicator()
+    long = repl.train(setup=sleepy_pipeline_setup, steps=400)
+    (program,) = repl._programs.values()
+    assert program.traced_variants == {True, False} and program.executed_variants == {True, False}
+    assert 0 < long.breakdown().loc[0, "steps"] <= 0.5 * long.steps  # a sample
 
 
 def test_breakdown_off_reads_no_clock():

@@ -13,8 +13,8 @@ Together with the host's own clock around the call they tile the chunk's time:
           metric reduction, peers' delays included
 
 so the parts add up to the measured time per step (`step`) up to the two clocks' agreement.
-About a fifth of the steps are timed (SAMPLE_SHARE: whole chunks, the first one after tracing
-always). Figures are seconds per step over about the last WINDOW_STEPS timed steps of one worker; each
+A run of up to EVERY_STEP_UP_TO steps times every step; a longer one about a fifth of them
+(SAMPLE_SHARE: whole chunks, the first one after tracing always). Figures are seconds per step over about the last WINDOW_STEPS timed steps of one worker; each
 worker publishes its row as a "breakdown" event (a launched run relays every worker's).
 """
 
@@ -31,6 +31,15 @@ WINDOW_STEPS = 2000  # the breakdown follows the run's present, not its start
 # The share of steps whose chunk reads the clock: a sample, so the readings' cost (a few
 # microseconds per step) is a fifth of itself; the first chunk after tracing is always one.
 SAMPLE_SHARE = 0.2
+# A run of at most this many steps reads the clock in every step and never runs the untimed
+# variant of the loop. The readings cost up to ~50 us a step (4% of the 1-ms steps of
+# bench/bench_breakdown.py's digits MLP, the worst case; a sampled run pays a fifth of that); the
+# second variant costs its trace, its instantiation (~0.1 s for that model) and, in a warm pool,
+# the native memory TensorFlow's collective runtime keeps for every function that ran
+# collectives, run after run (decision 19: 1.2 points of a worker's growth over 90 runs). So up
+# to ~2,000 steps every reading costs less; this keeps on the safe side of that. Lower it if
+# the readings get dearer (bench_breakdown with --steps at most this many prints them).
+EVERY_STEP_UP_TO = 1_000
 PUBLISH_EVERY = 1.0  # seconds between a worker's breakdown events (the last one always goes)
 
 
@@ -78,15 +87,18 @@ class BreakdownRecorder:
         self.published_at = 0.0
         self.unpublished = False
         self.collective_bytes = 0  # per replica and step (step_clock.CollectiveTimer.bytes)
+        # (every worker of a run reads the same goal: they agree on it, as their chunks must)
+        goal = run.config.get("steps") if hasattr(run, "config") else None
+        self.every_step = isinstance(goal, int) and goal <= EVERY_STEP_UP_TO
 
     def run_chunk(self, program, k: int):
         """Runs a chunk of `program` (timed when the sample wants one) and records it."""
-        # The first call compiles (untimed; it traces the timed variant too: Program.run_fused);
-        # a variant's first run instantiates it: neither is a step's time.
-        timed = bool(program.traced_variants) and self.wants_sample()
+        # A sampled run's first call compiles (untimed; it traces the timed variant too:
+        # Program.run_fused); a variant's first run instantiates it: neither is a step's time.
+        timed = self.every_step or (bool(program.traced_variants) and self.wants_sample())
         traces = timed not in program.executed_variants
         began = time.time()  # the wall clock, as the loop's tf.timestamp readings
-        result = program.run_fused(k, timed=timed)
+        result = program.run_fused(k, timed=timed, trace_other=not self.every_step)
         self.chunk(began, time.time(), result[1], program.last_marks, traced=traces)
         self.collective_bytes = program.collective_bytes
         return result

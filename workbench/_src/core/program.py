@@ -249,20 +249,21 @@ class Program:
         self.input_position += 1
         return list(self.replicator.strategy.experimental_local_results(out))
 
-    def run_fused(self, n: int, timed: bool = False) -> tuple[np.ndarray, int]:
+    def run_fused(self, n: int, timed: bool = False, trace_other: bool = True) -> tuple[np.ndarray, int]:
         """Runs up to n steps; returns (rows [steps, metrics + batch size] summed over replicas, steps).
 
         timed: this chunk reads the clock in every step (`last_marks`; step_clock.py). With
-        `timing` on, the first call also traces the other variant, so that switching between
-        them later does not trace inside a measured chunk (its first run still instantiates
-        it: ~0.1 s for a small model, which the breakdown leaves out of its sample).
+        `timing` on, the first call also traces the other variant (unless not `trace_other`: a
+        run that times every step), so that switching between them later does not trace inside
+        a measured chunk (its first run still instantiates it: ~0.1 s for a small model, which
+        the breakdown leaves out of its sample).
         """
         t = tf()
         timed = bool(timed and self.can_time)
         try:
             out = call_compiled(self._fused, self.iterator, t.constant(n), timed)
             self.traced_variants.add(timed)
-            if self.timing and self.can_time and (not timed) not in self.traced_variants:
+            if trace_other and self.timing and self.can_time and (not timed) not in self.traced_variants:
                 call_compiled(self._fused.get_concrete_function, self.iterator, t.constant(n), not timed)
                 self.traced_variants.add(not timed)
         except t.errors.InvalidArgumentError as e:
