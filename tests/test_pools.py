@@ -208,7 +208,8 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     second = repl.train(setup=regression_setup, steps=10)
     assert second.status == "finished" and victim not in pids(second), second.stop_reason
     if process_pid(second, "coordinator", 0) == process_pid(run, "coordinator", 0):  # kept: whole again
-        assert alive(process_pid(second, "worker", 1)), second.processes
+        # (on failure: what both runs said, for the worker's replacement and the pool's fate)
+        assert alive(process_pid(second, "worker", 1)), (second.processes, messages(run), messages(second))
     else:  # the run ended before the new worker answered
         assert not set(pids(second)) & set(first)
         notes = [t for t in messages(second) if "fresh" in t]
