@@ -11,6 +11,10 @@ import tensorflow as tf
 
 import workbench as wb
 
+# (ports that servers bind later: outside the kernel's ephemeral range, so no other socket takes
+# one meanwhile; CI once met "Could not start gRPC server")
+from workbench._src.placements.ports import free_ports
+
 
 def batches(shape=(8, 2)):
     return lambda ctx: tf.data.Dataset.from_tensors(tf.ones(shape)).repeat()
@@ -312,15 +316,6 @@ def test_malformed_tf_config(monkeypatch, raw, message):
         wb.MultiWorkerReplicator(cluster="TF_CONFIG")
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct free ports outside the kernel's ephemeral range (placements/ports.py): TensorFlow's
-    servers bind them later, and a port the kernel hands out could be another socket's by then
-    (CI: "Could not start gRPC server")."""
-    from workbench._src.placements.ports import free_ports
-
-    return free_ports(count)
-
-
 def _resolver(ports, index):
     spec = tf.train.ClusterSpec({"worker": [f"127.0.0.1:{p}" for p in ports]})
     return tf.distribute.cluster_resolver.SimpleClusterResolver(spec, task_type="worker", task_id=index)
@@ -331,7 +326,7 @@ def test_a_peer_that_never_starts_raises_instead_of_killing_the_caller():
 
     from workbench._src.backends.join_watchdog import wait_for_peers
 
-    ports = _free_ports(2)
+    ports = free_ports(2)
     start = time.monotonic()
     with pytest.raises(
         wb.WorkerError,
@@ -350,7 +345,7 @@ def test_peers_waiting_for_each_other_all_go_on():
 
     from workbench._src.backends.join_watchdog import wait_for_peers
 
-    ports = _free_ports(3)
+    ports = free_ports(3)
     results, servers, all_done = {}, [], threading.Event()
 
     def task(i):
@@ -384,7 +379,7 @@ def test_a_port_held_by_something_that_is_not_a_peer_is_named_within_the_timeout
     from workbench._src.backends.join_watchdog import wait_for_peers
     from workbench._src.backends.peer_probe import NOT_A_PEER, PEER, UNREACHABLE, probe
 
-    ports = _free_ports(2)
+    ports = free_ports(2)
     impostor = socket.socket()
     impostor.bind(("127.0.0.1", ports[1]))
     impostor.listen(8)  # accepts (the kernel completes the handshake) and never says anything

@@ -30,6 +30,10 @@ import pytest
 from helpers import PROCESS_CELL, LabFrontend, cluster_processes, wait_for
 from notebook_toy import TOY_CELL
 
+# (a Jupyter server's port, bound seconds later: outside the kernel's ephemeral range, where no
+# other socket's own end lands meanwhile)
+from workbench._src.placements.ports import free_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 EXTENSION = ROOT / "extensions" / "replicator-workbench"
 SCREENSHOTS = ROOT / "build" / "lab-extension"
@@ -179,14 +183,6 @@ def _require_browser():
             'PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 pip install -e ".[test]"',
             pytrace=False,
         )
-
-
-def _free_port() -> int:
-    """A port for a Jupyter server that binds it seconds later: outside the kernel's ephemeral
-    range, where no other socket's own end lands meanwhile (placements/ports.py)."""
-    from workbench._src.placements.ports import free_ports
-
-    return free_ports(1)[0]
 
 
 def _children(pid: int) -> list[int]:
@@ -526,7 +522,7 @@ def test_sidebar_status_bar_and_stop_in_a_browser(tmp_path):
     expect.set_options(timeout=WAIT_MS)
 
     _write_notebook(tmp_path / "replicate.ipynb")
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_ports(1)[0], secrets.token_hex(16)
     base = f"http://127.0.0.1:{port}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     server = _start_lab(tmp_path, port, token)
@@ -851,7 +847,7 @@ def test_runs_told_apart_renamed_tagged_compared_deleted_notified_and_dark_in_a_
 
     expect.set_options(timeout=WAIT_MS)
     _write_identity_notebooks(tmp_path)
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_ports(1)[0], secrets.token_hex(16)
     base = f"http://127.0.0.1:{port}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     server = _start_lab(tmp_path, port, token)
@@ -1283,7 +1279,7 @@ def test_live_views_agree_the_kernel_stays_busy_and_nothing_is_cut_in_a_browser(
 
     expect.set_options(timeout=WAIT_MS)
     _write_live_notebook(tmp_path / "live.ipynb")
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_ports(1)[0], secrets.token_hex(16)
     base = f"http://127.0.0.1:{port}"
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     server = _start_lab(tmp_path, port, token)

@@ -15,7 +15,7 @@ import time
 
 from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT, Liveness
 from workbench._src.placements.local.processes import ProcessGroup
-from workbench._src.placements.proc import CpuWaitCounter, process_cpu_seconds, process_cpu_wait
+from workbench._src.placements.proc import CpuWaitCounter, process_cpu_seconds
 
 SPIN = "while True: pass"
 
@@ -80,13 +80,14 @@ def test_a_starved_process_waits_for_a_cpu_and_a_stopped_one_does_not():
         # waits for a CPU like any runnable process; measured, 0.1 s in a suite run at load 18)
         _wait_for_state(sleeper.pid, "T")
         with starved(spinner.pid):
-            waits = [process_cpu_wait(p)[0] for p in (spinner.pid, sleeper.pid)]
+            counters = {p: CpuWaitCounter() for p in (spinner.pid, sleeper.pid)}
+            waits = [counters[p].read([p])[0] for p in (spinner.pid, sleeper.pid)]
             time.sleep(3)
-            spinner_wait, stopped_wait = process_cpu_wait(spinner.pid), process_cpu_wait(sleeper.pid)
+            spinner_wait, stopped_wait = (counters[p].read([p]) for p in (spinner.pid, sleeper.pid))
         # Runnable now (what it waits is added to its delay only when it gets the CPU back).
         assert spinner_wait[1] and spinner_wait[0] >= waits[0], (waits, spinner_wait)
         assert not stopped_wait[1] and stopped_wait[0] - waits[1] < 0.03, (waits, stopped_wait)
-        assert process_cpu_wait(2**22 + 1) is None  # (no such pid)
+        assert CpuWaitCounter().read([2**22 + 1]) is None  # (no such pid)
     finally:
         for process in (spinner, sleeper):
             process.kill()
@@ -159,13 +160,12 @@ def test_the_wait_of_threads_that_ended_still_counts():
         assert child.stdout.readline().strip() == "ended"
         while len(os.listdir(f"/proc/{child.pid}/task")) > 1 and time.monotonic() < deadline:
             time.sleep(0.05)  # (a joined thread's task leaves /proc a moment after the join)
-        live_threads_only = process_cpu_wait(child.pid)  # (the main thread alone now)
+        live_threads_only = CpuWaitCounter().read([child.pid])  # (a new counter: the main thread alone now)
         after = counter.read([child.pid])
         assert after[0] >= during[0], (during, after)
         # What the ended threads had waited when last read is kept (waits they added after that
         # read, while ending, are not seen: /proc shows a thread only while it lives).
         assert after[0] - live_threads_only[0] >= threads_wait, (during, after, live_threads_only)
-        assert counter.read([2**22 + 1]) is None  # (no such pid)
     finally:
         child.kill()
         child.wait()

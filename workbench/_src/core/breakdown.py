@@ -88,7 +88,7 @@ class BreakdownRecorder:
         self.unpublished = False
         self.collective_bytes = 0  # per replica and step (step_clock.CollectiveTimer.bytes)
         # (every worker of a run reads the same goal: they agree on it, as their chunks must)
-        goal = run.config.get("steps") if hasattr(run, "config") else None
+        goal = run.config.get("steps")
         self.every_step = isinstance(goal, int) and goal <= EVERY_STEP_UP_TO
 
     def run_chunk(self, program, k: int):

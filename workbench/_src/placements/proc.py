@@ -74,17 +74,6 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: 14, 15
 
 
-def process_cpu_wait(pid: int) -> tuple[float, bool] | None:
-    """How `pid` waits for a CPU: (seconds its threads have waited, runnable, on a run queue: the
-    run-queue delay of /proc/PID/task/*/schedstat, summed; whether a thread is runnable now: state
-    R). Both say a busy machine starves it, neither grows while it is stopped or asleep; the delay
-    is added only once a thread gets the CPU, so a process that gets none shows by its state.
-    Threads that have ended are not counted (CpuWaitCounter counts them). None: gone, or not
-    shown by this kernel."""
-    read = _thread_waits(pid)
-    return None if read is None else (sum(read[0].values()) / 1e9, read[1])
-
-
 def _thread_waits(pid: int) -> tuple[dict[str, int], bool] | None:
     """Each live thread's run-queue delay (ns, by thread id) and whether one is runnable now;
     None: gone, or not shown by this kernel."""
@@ -105,12 +94,18 @@ def _thread_waits(pid: int) -> tuple[dict[str, int], bool] | None:
 
 
 class CpuWaitCounter:
-    """The wait for a CPU of one member's processes (process_cpu_wait), with the waits of their
-    threads that have ended kept: /proc shows live threads only, and TensorFlow starts and ends
-    threads all along (tf.data's, a strategy's start), so a sum over live threads alone falls
-    when one ends, and a starved member read twice would seem not to have waited at all. A
-    thread is counted at its last reading; a process among the pids that ended keeps its
-    threads' waits too. One counter per member: it remembers the threads it has read."""
+    """How one member's processes wait for a CPU: the seconds their threads have waited,
+    runnable, on a run queue (the run-queue delay of /proc/PID/task/*/schedstat, summed), and
+    whether a thread is runnable now (state R). Both say a busy machine starves them, neither
+    grows while they are stopped or asleep; the delay is added only once a thread gets the CPU,
+    so a process that gets none shows by its state.
+
+    The waits of threads that have ended are kept: /proc shows live threads only, and TensorFlow
+    starts and ends threads all along (tf.data's, a strategy's start), so a sum over live threads
+    alone falls when one ends, and a starved member read twice would seem not to have waited at
+    all. A thread is counted at its last reading; a process among the pids that ended keeps its
+    threads' waits too. One counter per member: it remembers the threads it has read (a new
+    counter's first read is the live threads' sum)."""
 
     def __init__(self):
         self._last: dict[tuple[int, str], int] = {}  # (pid, thread id) -> its delay (ns) at the last read
