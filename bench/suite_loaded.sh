@@ -2,7 +2,8 @@
 # The test suite on a busy machine, as issue 39 asks: CI's own steps (`pip install -e ".[test]"`,
 # `python -m pytest -n 3`) on a fresh clone of COMMIT, RUNS times in a row, with two TensorFlow
 # jobs of this script's own keeping the cores busy beside it. Each run's output goes to
-# LOGS/run-N.log, its result to LOGS/summary.txt, the load every 30 s to LOGS/load.txt.
+# LOGS/run-N.log, its result to LOGS/summary.txt, the load and the jobs' share of the CPU every
+# 30 s to LOGS/load.txt.
 #
 #   bench/suite_loaded.sh COMMIT [RUNS] [LOGS]      # e.g. bench/suite_loaded.sh HEAD 2
 #
@@ -22,7 +23,16 @@ while True:
     x.numpy()'
 TF_CPP_MIN_LOG_LEVEL=3 python -c "$busy" > /dev/null 2>&1 & job1=$!
 TF_CPP_MIN_LOG_LEVEL=3 python -c "$busy" > /dev/null 2>&1 & job2=$!
-( while true; do echo "$(date +%H:%M:%S) $(cut -d' ' -f1-3 /proc/loadavg)"; sleep 30; done ) > "$logs/load.txt" & logger=$!
+# Every 30 s: the load, and the share of the machine's CPU time the two jobs took meanwhile (the
+# suite has the rest): the load alone does not say how starved the suite was.
+jobs_ticks() { cat /proc/$job1/stat /proc/$job2/stat 2>/dev/null | awk '{s += $14 + $15} END {print s + 0}'; }
+all_ticks() { awk '/^cpu /{s = 0; for (i = 2; i <= NF; i++) s += $i; print s}' /proc/stat; }
+( j=$(jobs_ticks); a=$(all_ticks)
+  while sleep 30; do
+    j2=$(jobs_ticks); a2=$(all_ticks)
+    echo "$(date +%H:%M:%S) $(cut -d' ' -f1-3 /proc/loadavg) jobs $(( 100 * (j2 - j) / (a2 - a + 1) ))% of the CPU"
+    j=$j2; a=$a2
+  done ) > "$logs/load.txt" & logger=$!
 trap 'kill $job1 $job2 $logger 2>/dev/null' EXIT
 for i in $(seq 1 "$runs"); do
   clone="$logs/clone-$i"
