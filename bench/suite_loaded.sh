@@ -7,9 +7,11 @@
 #
 #   bench/suite_loaded.sh COMMIT [RUNS] [LOGS]      # e.g. bench/suite_loaded.sh HEAD 2
 #
-# Ends only what it started, by pid. Each run installs its clone (the editable install then
-# points there): run nothing else from this environment meanwhile.
+# Ends only what it started: the jobs by pid, a suite's run by its process group. Ended early (its
+# pid killed, Ctrl-C), it ends the jobs and the run in progress. Each run installs its clone (the
+# editable install then points there): run nothing else from this environment meanwhile.
 set -u
+set -m  # (each background job in a process group of its own: a suite's run is ended whole)
 commit=$(git -C "$(dirname "$0")/.." rev-parse "${1:?a commit}")
 runs=${2:-2}
 logs=${3:-/tmp/suite-loaded-$commit}
@@ -33,12 +35,17 @@ all_ticks() { awk '/^cpu /{s = 0; for (i = 2; i <= NF; i++) s += $i; print s}' /
     echo "$(date +%H:%M:%S) $(cut -d' ' -f1-3 /proc/loadavg) jobs $(( 100 * (j2 - j) / (a2 - a + 1) ))% of the CPU"
     j=$j2; a=$a2
   done ) > "$logs/load.txt" & logger=$!
-trap 'kill $job1 $job2 $logger 2>/dev/null' EXIT
+suite=""
+trap 'kill $job1 $job2 $logger 2>/dev/null; [ -n "$suite" ] && kill -TERM -- -"$suite" 2>/dev/null' EXIT
+trap 'exit 130' INT TERM
 for i in $(seq 1 "$runs"); do
   clone="$logs/clone-$i"
   rm -rf "$clone" && git clone -q "$repo" "$clone" && git -C "$clone" checkout -q "$commit"
   began=$(date +%s)
-  ( cd "$clone" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 pip install -q -e ".[test]" && python -m pytest -n 3 ) > "$logs/run-$i.log" 2>&1
-  echo "run $i of $commit: exit $? after $(( $(date +%s) - began )) s; $(tail -1 "$logs/run-$i.log")" >> "$logs/summary.txt"
+  ( cd "$clone" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 pip install -q -e ".[test]" && python -m pytest -n 3 ) > "$logs/run-$i.log" 2>&1 &
+  suite=$!
+  wait "$suite"; status=$?
+  suite=""
+  echo "run $i of $commit: exit $status after $(( $(date +%s) - began )) s; $(tail -1 "$logs/run-$i.log")" >> "$logs/summary.txt"
 done
 cat "$logs/summary.txt"
