@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite on a busy machine, as issue 39 asks: CI's own steps (`pip install -e ".[test]"`,
-# `python -m pytest -n 3`) on a fresh clone of COMMIT, RUNS times in a row, with two TensorFlow
-# jobs of this script's own keeping the cores busy beside it. Each run's output goes to
+# `python -m pytest -n 3`, verbose) on a fresh clone of COMMIT, RUNS times in a row, with two
+# TensorFlow jobs of this script's own keeping the cores busy beside it. Each run's output goes to
 # LOGS/run-N.log, its result to LOGS/summary.txt, the load and the jobs' share of the CPU every
 # 30 s to LOGS/load.txt.
 #
@@ -42,7 +42,8 @@ for i in $(seq 1 "$runs"); do
   clone="$logs/clone-$i"
   rm -rf "$clone" && git clone -q "$repo" "$clone" && git -C "$clone" checkout -q "$commit"
   began=$(date +%s)
-  ( cd "$clone" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 pip install -q -e ".[test]" && python -m pytest -n 3 ) > "$logs/run-$i.log" 2>&1 &
+  # (-v: each test's outcome as it ends, so that a run stopped early still names its failures)
+  ( cd "$clone" && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 pip install -q -e ".[test]" && PYTEST_ADDOPTS=-v python -m pytest -n 3 ) > "$logs/run-$i.log" 2>&1 &
   suite=$!
   wait "$suite"; status=$?
   suite=""
