@@ -14,8 +14,9 @@ Together with the host's own clock around the call they tile the chunk's time:
 
 so the parts add up to the measured time per step (`step`) up to the two clocks' agreement.
 A run of up to EVERY_STEP_UP_TO steps times every step; a longer one about a fifth of them
-(SAMPLE_SHARE: whole chunks, the first one after tracing always). Figures are seconds per step over about the last WINDOW_STEPS timed steps of one worker; each
-worker publishes its row as a "breakdown" event (a launched run relays every worker's).
+(SAMPLE_SHARE: whole chunks, the first one after tracing always). Figures are seconds per step
+over about the last WINDOW_STEPS timed steps of one worker; each worker publishes its row as a
+"breakdown" event (a launched run relays every worker's).
 """
 
 from __future__ import annotations
