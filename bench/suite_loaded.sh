@@ -7,17 +7,22 @@
 #
 #   bench/suite_loaded.sh COMMIT [RUNS] [LOGS]      # e.g. bench/suite_loaded.sh HEAD 2
 #
+# The jobs run each in a session of its own, as another user's jobs do. (Linux shares the CPU
+# between sessions first (autogroups): jobs started in the suite's own session would instead
+# compete with the suite's test processes thread by thread, and starve the Ray actors there, which
+# Ray starts at nice 15: load.txt then gave the jobs 80-97% of the CPU time.)
+#
 # Ends only what it started: the jobs by pid, a suite's run by its process group. Ended early (its
 # pid killed, Ctrl-C), it ends the jobs and the run in progress. Each run installs its clone (the
 # editable install then points there): run nothing else from this environment meanwhile.
 set -u
-set -m  # (each background job in a process group of its own: a suite's run is ended whole)
 commit=$(git -C "$(dirname "$0")/.." rev-parse "${1:?a commit}")
 runs=${2:-2}
 logs=${3:-/tmp/suite-loaded-$commit}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$logs"
-busy='import tensorflow as tf
+busy='import os; os.setsid()
+import tensorflow as tf
 x = tf.random.normal([512, 512])
 while True:
     for _ in range(50):
@@ -25,6 +30,7 @@ while True:
     x.numpy()'
 TF_CPP_MIN_LOG_LEVEL=3 python -c "$busy" > /dev/null 2>&1 & job1=$!
 TF_CPP_MIN_LOG_LEVEL=3 python -c "$busy" > /dev/null 2>&1 & job2=$!
+set -m  # (from here each background job is a process group of its own: a suite's run is ended whole)
 # Every 30 s: the load, and the share of the machine's CPU time the two jobs took meanwhile (the
 # suite has the rest): the load alone does not say how starved the suite was.
 jobs_ticks() { cat /proc/$job1/stat /proc/$job2/stat 2>/dev/null | awk '{s += $14 + $15} END {print s + 0}'; }

@@ -208,8 +208,13 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     second = repl.train(setup=regression_setup, steps=10)
     assert second.status == "finished" and victim not in pids(second), second.stop_reason
     if process_pid(second, "coordinator", 0) == process_pid(run, "coordinator", 0):  # kept: whole again
-        # (on failure: what both runs said, for the worker's replacement and the pool's fate)
-        assert alive(process_pid(second, "worker", 1)), (second.processes, messages(run), messages(second))
+        replacement = process_pid(second, "worker", 1)
+        if not alive(replacement):  # (seen 2 times in 45 under load: how it ended is not known yet)
+            third = repl.train(setup=regression_setup, steps=10)  # its coordinator reports the loss
+            pytest.fail(
+                f"the kept pool's new worker 1 (pid {replacement}) ended by run 2's end; run 1 said "
+                f"{messages(run)}, run 2 {messages(second)}, run 3 {messages(third)}"
+            )
     else:  # the run ended before the new worker answered
         assert not set(pids(second)) & set(first)
         notes = [t for t in messages(second) if "fresh" in t]
