@@ -15,7 +15,7 @@ import time
 
 from workbench._src.launch.liveness import BUSY_SILENCE_LIMIT, Liveness
 from workbench._src.placements.local.processes import ProcessGroup
-from workbench._src.placements.proc import CpuWaitCounter, process_cpu_seconds
+from workbench._src.placements.proc import CpuSecondsCounter, CpuWaitCounter, process_cpu_seconds
 
 SPIN = "while True: pass"
 
@@ -171,6 +171,33 @@ def test_the_wait_of_threads_that_ended_still_counts():
     finally:
         child.kill()
         child.wait()
+
+
+BURN_THEN_EXIT = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+
+
+def test_the_cpu_time_of_a_member_s_own_process_that_ended_still_counts():
+    """A member's CPU time with its own processes (an async-ps coordinator's servers) only grows:
+    a start judged by its growth must not seem to stand still when one of them ends."""
+    member = subprocess.Popen([sys.executable, "-c", SLEEP])
+    own = subprocess.Popen([sys.executable, "-c", BURN_THEN_EXIT + "\ntime.sleep(60)"], stdin=subprocess.PIPE)
+    try:
+        counter, deadline = CpuSecondsCounter(), time.monotonic() + 60
+        while (process_cpu_seconds(own.pid) or 0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # (its 0.3 CPU-s burned, it sleeps)
+        before = counter.read([member.pid, own.pid])
+        own.kill()
+        own.wait()
+        after = counter.read([member.pid, own.pid])
+        assert before >= 0.3 and after >= before, (before, after)
+        assert CpuSecondsCounter().read([member.pid, own.pid]) < 0.3  # (a new counter never saw it)
+        member.kill()
+        member.wait()
+        assert counter.read([member.pid, own.pid]) is None  # the member itself gone
+    finally:
+        for process in (member, own):
+            process.kill()
+            process.wait()
 
 
 SLEEP = "import time\nwhile True: time.sleep(60)"

@@ -126,13 +126,27 @@ class CpuWaitCounter:
         return (self._ended + sum(now.values())) / 1e9, any(runnable for _, (_, runnable) in reads)
 
 
-def processes_cpu_seconds(pids: list[int]) -> float | None:
-    """process_cpu_seconds of the first pid plus those of the others still running (None: the
-    first is gone)."""
-    first = process_cpu_seconds(pids[0])
-    if first is None:
-        return None
-    return first + sum(filter(None, map(process_cpu_seconds, pids[1:])))
+class CpuSecondsCounter:
+    """The CPU seconds of a process and of its own processes, where one of its own that ended
+    keeps the time it had at its last reading. /proc shows running processes only: summed over
+    those alone, the total falls when one ends (an async-ps coordinator's server that died), and a
+    start judged by its growth (start_progress.py) would seem to stand still. One counter per
+    member, as CpuWaitCounter."""
+
+    def __init__(self):
+        self._last: dict[int, float] = {}  # own pid -> its CPU seconds at the last read
+
+    def read(self, pids: list[int]) -> float | None:
+        """CPU seconds of pids[0] plus those of the others, each at its last reading here; None
+        when the first is gone."""
+        first = process_cpu_seconds(pids[0])
+        if first is None:
+            return None
+        for pid in pids[1:]:
+            seconds = process_cpu_seconds(pid)
+            if seconds is not None:
+                self._last[pid] = seconds
+        return first + sum(self._last.get(pid, 0.0) for pid in pids[1:])
 
 
 def process_start_ticks(pid: int) -> int | None:

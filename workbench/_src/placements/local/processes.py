@@ -46,10 +46,11 @@ from workbench._src.placements.local import fork_client, netns
 from workbench._src.placements.ports import LOOPBACK
 from workbench._src.placements.proc import (
     STACKS_SIGNAL,
+    CpuSecondsCounter,
     CpuWaitCounter,
     dumped_stacks,
+    process_cpu_seconds,
     process_stopped,
-    processes_cpu_seconds,
 )
 
 KEEP_LOGS_ENV = "WORKBENCH_KEEP_LOGS"  # "1": stop() leaves the children's log folder behind
@@ -87,6 +88,7 @@ class Child:
     # Its wait for a CPU, with and without its own processes (one counter per set of pids read:
     # each remembers the threads it has seen).
     cpu_waits: dict = field(default_factory=lambda: {False: CpuWaitCounter(), True: CpuWaitCounter()})
+    own_cpu: CpuSecondsCounter = field(default_factory=CpuSecondsCounter)  # (with_own: ended ones kept)
 
     def __post_init__(self):
         with contextlib.suppress(OSError, AttributeError):  # (AttributeError: Python < 3.9)
@@ -134,7 +136,9 @@ class Child:
     def cpu_seconds(self, with_own: bool = False) -> float | None:
         """The CPU time the process has used (all its threads; with_own: and its own processes'),
         or None when it is gone."""
-        return processes_cpu_seconds([self.pid, *(self.own_pids if with_own else ())])
+        if not with_own:
+            return process_cpu_seconds(self.pid)
+        return self.own_cpu.read([self.pid, *self.own_pids])
 
     def cpu_wait(self, with_own: bool = False) -> tuple[float, bool] | None:
         """How its threads (with_own: and its own processes') wait for a CPU
