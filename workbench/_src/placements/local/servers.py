@@ -168,15 +168,19 @@ class LocalServers:
             return
         alive = self.live_workers()
         address = self.cluster["worker"][index]
+        # Its log's end says why it ended: printed when it exited by itself (not by a signal),
+        # and when it keeps dying.
+        tail = child.log_tail(3) or "empty"
+        why = "" if child.killed else f" (its log's end: {tail})"
         then = (
             f"a new worker {index} starts at {address}"
             if replace
-            else f"it is not replaced again: lost {made + 1} times in this run, something ends it "
-            f"(its log's end: {child.log_tail(3) or 'empty'})"
+            else f"it is not replaced again: lost {made + 1} times in this run, something ends it"
+            + (f" (its log's end: {tail})" if child.killed else "")
         )
         run.publish(
             "message",
-            text=f"worker {index} (pid {child.pid}) {child.exit_description()} at step {step}; {alive} "
+            text=f"worker {index} (pid {child.pid}) {child.exit_description()}{why} at step {step}; {alive} "
             f"worker(s) left"
             + (": the coordinator runs its unfinished steps on them" if alive else "")
             + f"; {then}",
