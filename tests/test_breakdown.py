@@ -197,6 +197,11 @@ def test_async_ps_counts_parameter_server_traffic_as_communication():
     assert "parameter-server traffic" in breakdown.diagnosis(
         [{**table.reset_index().iloc[0].to_dict(), "communication": 1.0}], asynchronous=True
     )
+    # A warm pool's next run of the same model reuses the traffic measured once (a probe traced
+    # anew each run would stay on the servers for good: bench/bench_memory.py shows the cost).
+    again = repl.train(setup=lambda r: big_mlp_setup(r, width=256, layers=4, batch=16), steps=200)
+    assert again.breakdown().loc[0, "communication"] > 0
+    repl.shutdown()
 
 
 COMMUNICATION_BOUND_MODEL = """

@@ -207,6 +207,11 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         self.coordinator = None
         self.servers = None  # the servers this process started as its children (a coordinator on one host)
         self.worker_addresses: list[str] = []  # a cluster's workers (not started by this process)
+        # The breakdown's measured time to read every trainable variable from the parameter servers,
+        # by the variables' shapes and dtypes (async_breakdown.py): measured once per model on a
+        # cluster, not each run of a warm pool, as its probe is a function TensorFlow keeps on the
+        # servers for good.
+        self.variable_read_seconds: dict[tuple, float] = {}
 
     @classmethod
     def from_replicas(cls, num_replicas=None, num_workers=None, num_ps=None, **kwargs):
@@ -285,6 +290,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         self._forget_setup_runs()  # (their functions hold the model; their gradients its graphs)
         self._programs.clear()
         self._created_variables.clear()
+        self.variable_read_seconds.clear()  # (another cluster next)
         self._strategy, self.coordinator = None, None
         gc.collect()
         if self.servers is not None:
