@@ -173,14 +173,15 @@ def test_the_wait_of_threads_that_ended_still_counts():
         child.wait()
 
 
-BURN_THEN_EXIT = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass"
+SLEEP = "import time\nwhile True: time.sleep(60)"
+BURN_THEN_SLEEP = "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n" + SLEEP
 
 
 def test_the_cpu_time_of_a_member_s_own_process_that_ended_still_counts():
     """A member's CPU time with its own processes (an async-ps coordinator's servers) only grows:
     a start judged by its growth must not seem to stand still when one of them ends."""
     member = subprocess.Popen([sys.executable, "-c", SLEEP])
-    own = subprocess.Popen([sys.executable, "-c", BURN_THEN_EXIT + "\ntime.sleep(60)"], stdin=subprocess.PIPE)
+    own = subprocess.Popen([sys.executable, "-c", BURN_THEN_SLEEP])
     try:
         counter, deadline = CpuSecondsCounter(), time.monotonic() + 60
         while (process_cpu_seconds(own.pid) or 0) < 0.3 and time.monotonic() < deadline:
@@ -198,9 +199,6 @@ def test_the_cpu_time_of_a_member_s_own_process_that_ended_still_counts():
         for process in (member, own):
             process.kill()
             process.wait()
-
-
-SLEEP = "import time\nwhile True: time.sleep(60)"
 
 
 def test_a_silent_member_asleep_in_a_call_is_given_the_limit_and_a_stopped_one_is_named_at_once(tmp_path):
