@@ -223,24 +223,61 @@ def test_a_stop_after_an_async_worker_is_lost_ends_the_run_at_once_and_the_next_
     wait_for(lambda: not any(alive(p) for p in pids(second)), 30, "the pool's processes to end")
 
 
-def test_a_pool_that_outgrew_its_memory_limit_is_renewed_and_the_next_run_says_why(monkeypatch):
+def test_a_pool_that_outgrew_its_memory_limit_is_renewed_and_the_next_run_says_why(placement):
     """TensorFlow keeps some native state of every run's traced step (docs decision 19), so a warm
-    process grows run by run: past MEMORY_GROWTH_LIMIT over its first run's size, the pool is
-    renewed."""
-    repl = wb.MultiWorkerReplicator(num_workers=2)
+    process grows run by run: past memory_growth_limit over its first run's size, the pool is
+    renewed. The next run, coming at once, starts the new pool itself."""
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2))
     first = repl.train(setup=regression_setup, steps=10)
     # Any size at all, grown or not, to see the rule act: since a run's traces are forgotten with
     # it, a worker may end its second run no larger than its first (CI, 0807902), and a limit of
-    # 0 then kept the pool.
-    monkeypatch.setattr(pools, "MEMORY_GROWTH_LIMIT", -1.0)
+    # 0 then kept the pool. (Set on the plan: the option itself refuses a limit below 0.)
+    repl.plan.memory_growth_limit = -1.0
     second = repl.train(setup=regression_setup, steps=10)  # renewed after it
     assert pids(second) == pids(first)
     third = repl.train(setup=regression_setup, steps=10)
     assert third.status == "finished" and not set(pids(third)) & set(pids(first))
+    # (Said either way: a machine so busy that the next call came after RENEW_AFTER_IDLE finds the
+    # successor started in the background instead.)
     said = [t for t in messages(third) if "the last one was retired" in t]
-    assert said and "MiB over 2 runs: TensorFlow keeps some state of every run's" in said[0], messages(third)
-    monkeypatch.setattr(pools, "MEMORY_GROWTH_LIMIT", 10.0)  # as good as never: the pool stays warm
+    assert said and "past memory_growth_limit=-1: TensorFlow keeps some state" in said[0], messages(third)
+    repl.plan.memory_growth_limit = None  # never: the pool stays warm
     assert pids(repl.train(setup=regression_setup, steps=10)) == pids(third)
+
+
+def pool_of(repl):
+    return next((p for p in pools.live_pools() if p.shape == repl.pool_shape), None)
+
+
+def test_a_renewed_pools_successor_starts_in_the_background_once_it_is_left_unused(placement):
+    """A notebook's next run comes after the researcher has read the last one: by then the
+    renewed pool's successor is up, and the run starts warm on it."""
+    repl = wb.MultiWorkerReplicator(**placement.options(num_workers=2))
+    first = repl.train(setup=regression_setup, steps=10)
+    repl.plan.memory_growth_limit = -1.0  # (any size: see the test above)
+    repl.train(setup=regression_setup, steps=10)  # renewed after it
+    repl.plan.memory_growth_limit = None
+    wait_for(lambda: getattr(pool_of(repl), "state", "") == "idle", 180, "the successor to start")
+    successor = pool_of(repl)
+    assert successor.runs == 0 and successor.started_in_background
+    ready = sorted(p["pid"] for p in successor.processes)
+    assert not set(ready) & set(pids(first))
+    third = repl.train(setup=regression_setup, steps=10)
+    assert third.status == "finished" and sorted(pids(third)) == ready
+    said = [t for t in messages(third) if "started in the background" in t]
+    assert said and "the last one was retired (worker" in said[0], messages(third)
+    repl.shutdown()
+
+
+def test_shutdown_right_after_a_renewal_starts_no_successor():
+    repl = wb.MultiWorkerReplicator(num_workers=2)
+    repl.train(setup=regression_setup, steps=10)
+    repl.plan.memory_growth_limit = -1.0  # (any size: see the test above)
+    second = repl.train(setup=regression_setup, steps=10)  # renewed after it
+    repl.shutdown()
+    time.sleep(pools.RENEW_AFTER_IDLE + 2.0)  # (past the moment the successor would have started)
+    assert pool_of(repl) is None and repl.pool_shape not in pools.POOLS.prestarting
+    wait_for(lambda: not any(alive(p) for p in pids(second)), 30, "the renewed pool's processes to end")
 
 
 def ps_rss(repl) -> int:
@@ -251,11 +288,10 @@ def process_pid_of(repl, role, index) -> int:
     return next(p["pid"] for p in repl.processes if p["role"] == role and p["index"] == index)
 
 
-def test_parameter_server_memory_stays_flat_over_20_runs(monkeypatch):
-    # One pool for all 20 runs: the coordinator's traced graphs would renew it about every 16
-    # (launch/pool.py MEMORY_GROWTH_LIMIT); what is measured here is the parameter server's own.
-    monkeypatch.setattr(pools, "MEMORY_GROWTH_LIMIT", 10.0)
-    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1)
+def test_parameter_server_memory_stays_flat_over_20_runs():
+    # One pool for all 20 runs (never renewed for its memory): what is measured here is the
+    # parameter server's own growth.
+    repl = wb.MultiWorkerAsyncReplicator(num_workers=2, num_ps=1, memory_growth_limit=None)
     rss = {}
     first_pids = None
     for n in range(1, 21):

@@ -38,7 +38,7 @@ import weakref
 from workbench._src import compat
 from workbench._src.backends.async_coordinator import AsyncProgram, CoordinatorExecutor
 from workbench._src.backends.join_watchdog import wait_for_peers
-from workbench._src.backends.remote import LaunchPlan, ProcessBackend
+from workbench._src.backends.remote import LaunchPlan, ProcessBackend, check_memory_growth_limit
 from workbench._src.backends.worker_watch import DEFAULT_WORKER_TIMEOUT
 from workbench._src.core import tf_setup
 from workbench._src.core.cluster_resolver import cluster_resolver
@@ -46,6 +46,7 @@ from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.tf_setup import tf
 from workbench._src.core.tracebacks import user_facing
 from workbench._src.launch import placement, runtime
+from workbench._src.launch.memory import MEMORY_GROWTH_LIMIT
 from workbench._src.launch.placement import Role
 
 
@@ -75,10 +76,12 @@ class AsyncPsPlan(LaunchPlan):
     # A worker of a cluster this process did not start (a real cluster, a placed pool) that has not
     # answered for this long is lost, and the run goes on without it (backends/worker_watch.py).
     worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT
+    memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT  # (launch/pool.py)
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
         check_positive_int("num_ps", self.num_ps)
+        check_memory_growth_limit(self.memory_growth_limit)
         if self.worker_timeout is not None and not (
             isinstance(self.worker_timeout, (int, float)) and self.worker_timeout > 0
         ):
@@ -166,6 +169,10 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         shutdown()).
       pool: keep the coordinator and its servers warm between runs of the same shape (False:
         start and stop them for every run).
+      memory_growth_limit: how much a process of a warm pool may grow over its size after the
+        pool's first run before the pool is renewed (TensorFlow keeps some state of every run's
+        traced step for a process's life); the new one starts in the background once the pool is
+        left unused. 0.05: within 5% at a renewal every few runs. None: never renewed for memory.
 
     Example (the model is built in the coordinator process from the setup function):
       >>> import workbench as wb
@@ -190,6 +197,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
         threads_per_server: int | None = None,
         idle_timeout: float | None = 600.0,
         pool: bool = True,
+        memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT,
         **input_options,
     ):
         super().__init__(**input_options)
@@ -202,6 +210,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
             idle_timeout,
             pool,
             worker_timeout=worker_timeout,
+            memory_growth_limit=memory_growth_limit,
         )
         self._cluster_option = cluster
         self.coordinator = None

@@ -19,12 +19,13 @@ import dataclasses
 import json
 import tempfile
 
-from workbench._src.backends.remote import LaunchPlan, ProcessBackend
+from workbench._src.backends.remote import LaunchPlan, ProcessBackend, check_memory_growth_limit
 from workbench._src.core.cluster_resolver import cluster_resolver
 from workbench._src.core.errors import ConfigurationError, check_positive_int
 from workbench._src.core.run import NO_STOP, PREEMPT, STOP
 from workbench._src.core.tf_setup import tf
 from workbench._src.launch import runtime
+from workbench._src.launch.memory import MEMORY_GROWTH_LIMIT
 from workbench._src.launch.placement import Role
 
 # TensorFlow's coordination-service heartbeat timeout in a launched run, in heartbeat_timeouts.
@@ -49,6 +50,7 @@ class MultiWorkerPlan(LaunchPlan):
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
     cluster: object | None = None  # the `cluster=` value naming where the pool is placed (None: here)
     min_workers: int | None = None  # elastic: a heal may go on with this many workers (launch/elastic.py)
+    memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT  # (launch/pool.py)
 
     # min_workers says how far a run may shrink, not which processes run (a pool of 1 worker is
     # the same whatever the run's floor).
@@ -57,6 +59,7 @@ class MultiWorkerPlan(LaunchPlan):
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
         check_min_workers(self.min_workers, self.num_workers)
+        check_memory_growth_limit(self.memory_growth_limit)
         if self.devices_per_worker is not None:
             check_positive_int("devices_per_worker", self.devices_per_worker)
         self.devices_per_worker = self.devices_per_worker or 1
@@ -128,6 +131,10 @@ class MultiWorkerReplicator(ProcessBackend):
       idle_timeout: seconds a warm pool of local workers stays up unused (None: until shutdown()).
       pool: keep the local workers warm between runs of the same shape (False: start and stop
         them for every run).
+      memory_growth_limit: how much a process of a warm pool may grow over its size after the
+        pool's first run before the pool is renewed (TensorFlow keeps some state of every run's
+        traced step for a process's life); the new one starts in the background once the pool is
+        left unused. 0.05: within 5% at a renewal every few runs. None: never renewed for memory.
       min_workers: elastic worker counts (with `train(max_restarts=N)`): when the cluster has no
         room for `num_workers` (a node gone, no other with room), the run starts or heals
         with fewer, never below `min_workers`, keeping the global batch (each worker takes a
@@ -157,6 +164,7 @@ class MultiWorkerReplicator(ProcessBackend):
         idle_timeout: float | None = 600.0,
         pool: bool = True,
         min_workers: int | None = None,
+        memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT,
         **input_options,
     ):
         super().__init__(**input_options)
@@ -168,7 +176,7 @@ class MultiWorkerReplicator(ProcessBackend):
             )
         self.plan = MultiWorkerPlan(
             num_workers, devices_per_worker, startup_timeout, heartbeat_timeout, threads_per_worker,
-            idle_timeout, pool, min_workers=min_workers,
+            idle_timeout, pool, min_workers=min_workers, memory_growth_limit=memory_growth_limit,
         )  # fmt: skip
         self.devices_per_worker = self.plan.devices_per_worker
         self._cluster_option = cluster

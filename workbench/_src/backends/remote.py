@@ -83,12 +83,25 @@ class LaunchPlan:
         return placement_class(self.cluster).room_for(self.cluster, count, busy_nodes)
 
     # Fields that change how long to wait or keep, not which processes run.
-    NOT_SHAPE = ("startup_timeout", "heartbeat_timeout", "idle_timeout", "pool")
+    NOT_SHAPE = ("startup_timeout", "heartbeat_timeout", "idle_timeout", "pool", "memory_growth_limit")
 
     def shape(self) -> tuple:
         """What defines the processes (a warm pool is reused only by a plan of the same shape)."""
         fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
         return (type(self).__name__, *[(k, v) for k, v in fields if k not in self.NOT_SHAPE])
+
+
+def check_memory_growth_limit(limit) -> None:
+    """A ConfigurationError unless `limit` is a fraction > 0 (the growth a warm process may reach
+    over its first run's size before its pool is renewed: launch/pool.py) or None."""
+    if limit is None or (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
+        return
+    raise ConfigurationError(
+        f"memory_growth_limit is how much a warm pool's process may grow over its size after the pool's "
+        f"first run before the pool is renewed, as a fraction; received memory_growth_limit={limit!r}. "
+        "Fix: memory_growth_limit=0.05 (5%: a renewal every few runs on a parameter server), the "
+        "default 0.25, or None to never renew a pool for its memory."
+    )
 
 
 class ProcessBackend(Replicator):

@@ -12,11 +12,11 @@ The rules, all here, the same for every placement (launch/placement.py):
   - a run that failed, timed out or lost a process retires its pool (the cluster is in doubt:
     a worker that saw a collective fail cannot run collectives again); so does a pool found
     with a dead member when the next run takes it; the next run says so in one line;
-  - a pool whose processes have grown by more than MEMORY_GROWTH_LIMIT since its first run is
-    renewed after a run (every run builds its model and traces its step again, and TensorFlow
-    keeps some native state per trace for the process's life: a parameter server the part of
-    each function that ran on it, a multi-worker worker its collective runtime's state for
-    each traced collective and broadcast variable; docs decision 19);
+  - a pool whose processes have grown by more than its plan's `memory_growth_limit` since its
+    first runs is renewed after a run (launch/memory.py: TensorFlow keeps some state of every
+    run's traced step for a process's life). Its successor starts in the background once it
+    has been left unused for RENEW_AFTER_IDLE, so a notebook's next run finds it up; a run
+    that comes sooner starts it itself, and a script that ends first starts none;
   - a pool ends with `shutdown()` (repl.shutdown(), the panel's button, the session's
     replicator replaced), after `idle_timeout` seconds unused (a daemon timer: it never holds
     the interpreter), at interpreter exit (launch/exit.py), and when this process is killed
@@ -28,12 +28,12 @@ The kernel's pools are one object, `POOLS` (a `Pools`); the module's functions a
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
 
 from workbench._src.core import exit as process_exit
+from workbench._src.launch.memory import MEMORY_GROWTH_LIMIT, MemoryGrowth
 from workbench._src.launch.placement import place
 
 # How long a pool's members get to leave on "shutdown" before they are ended by force. It bounds
@@ -43,11 +43,11 @@ STOP_GRACE = 2.0
 # How long interpreter exit waits for a pool still starting in the background: long enough for
 # a start that is almost done to become a pool (then it is stopped), short enough for a restart.
 EXIT_START_WAIT = 5.0
-# How much a warm pool's process may grow (its RSS after a run over its RSS after the pool's
-# first run) before the pool is renewed: it bounds a warm process's memory to this much above
-# what one run needs, at the price of one pool start every (limit / growth per run) runs, about
-# every 25 runs of a small model. Lower it on a machine short of memory.
-MEMORY_GROWTH_LIMIT = 0.25
+# How long a pool renewed for its memory waits unused before its successor starts in the
+# background. Longer than a loop or a script takes to its next call (a loop's next run starts the
+# successor itself, in the foreground; a script that ends starts nothing it will not use),
+# shorter than a researcher takes to read a run's result and run the next cell.
+RENEW_AFTER_IDLE = 1.0
 
 
 class Pool:
@@ -71,7 +71,8 @@ class Pool:
         # Every process the pool will run, those a member starts itself included (async-ps: the
         # coordinator's servers), as the CLI counts them.
         self.process_count = sum(role.count for role in plan.roles())
-        self.memory_baseline: dict | None = None  # {pid: RSS bytes} after the first run
+        self.memory = MemoryGrowth()  # its processes' sizes (launch/memory.py)
+        self.plan = plan  # (a renewal's successor is started from it; its memory_growth_limit)
 
     # ----- what the launcher uses (the placement's, one name down) -------------------------------
     @property
@@ -120,25 +121,9 @@ class Pool:
                 problem = problem or f"{task.replace(':', ' ')} disconnected"
 
     def memory_growth(self) -> str:
-        """'' while every process of the pool readable here has grown by at most
-        MEMORY_GROWTH_LIMIT since the end of the pool's first run; else which one grew and by how
-        much. (The first call, after the first run, records the baseline.)"""
-        here = [p for p in self.processes if str(p.get("node", "127.")).startswith("127.")]  # (else unread)
-        now = {p["pid"]: process_rss_bytes(p["pid"]) for p in here}
-        now = {pid: rss for pid, rss in now.items() if rss}
-        if self.memory_baseline is None:
-            self.memory_baseline = now
-            return ""
-        for process in here:
-            before, after = self.memory_baseline.get(process["pid"]), now.get(process["pid"])
-            if before and after and after > before * (1 + MEMORY_GROWTH_LIMIT):
-                return (
-                    f"{process['role']} {process['index']} grew from {before / 2**20:.0f} to "
-                    f"{after / 2**20:.0f} MiB over {self.runs} runs: TensorFlow keeps some state of "
-                    "every run's traced step for the process's life, so a warm pool is renewed "
-                    "before it grows without bound"
-                )
-        return ""
+        """'' while every process has grown by at most its plan's memory_growth_limit (after a run)."""
+        limit = getattr(self.plan, "memory_growth_limit", MEMORY_GROWTH_LIMIT)
+        return self.memory.after_run(self.processes, self.runs, limit)
 
     def stop(self, grace: float = STOP_GRACE) -> None:
         if self.timer is not None:
@@ -177,6 +162,7 @@ class Pools:
         self.observers: list = []  # called with no argument after any pool changes state (the sidebar)
         self.prestarting: dict = {}  # shape -> the thread starting a pool of that shape in the background
         self.prestart_failed: dict = {}  # shape -> why its background start failed (said by the next run)
+        self.renewals: dict = {}  # shape -> the timer that starts a renewed pool's successor
 
     def checkout(self, backend: str, plan) -> tuple[Pool, list[str]]:
         """A pool for one run of `plan`: the idle one of the same shape when it is healthy, else a
@@ -186,6 +172,7 @@ class Pools:
         keep = bool(getattr(plan, "pool", True))
         shape = plan.shape()
         with self.lock:
+            self._cancel_renewals()  # (this run starts what it needs; another shape's would be retired)
             starting = self.prestarting.get(shape)
         if starting is not None:  # chosen a moment ago: its processes are already on their way
             starting.join(timeout=plan.launch_timeout)
@@ -214,6 +201,12 @@ class Pools:
                 pool.state, pool.idle_since = "busy", None
                 if pool.timer is not None:
                     pool.timer.cancel()
+                reason = self.retired_because.pop(shape, None)
+                if reason and pool.runs == 0:  # (a successor started in the background)
+                    notes.append(
+                        f"running on a fresh {backend} pool, started in the background: the last one "
+                        f"was retired ({reason})"
+                    )
                 taken = pool
                 break
             else:
@@ -229,18 +222,22 @@ class Pools:
         self.changed()
         return taken, notes
 
-    def prestart(self, backend: str, plan) -> bool:
+    def prestart(self, backend: str, plan, renewal: threading.Timer | None = None) -> bool:
         """Starts a pool for `plan` in the background, so the first run finds its processes up
         (TensorFlow imported, the cluster formed): `%replicate --backend multi-worker` and the
         panel call it when a process backend is chosen. Nothing happens when a pool of that shape
         is live or starting, or when pools are off (`pool=False`). The pool is then an idle pool:
         its idle timer runs, another shape retires it, shutdown() ends it. Returns whether it
-        started one."""
+        started one. `renewal`: the timer of a renewed pool's successor calls it, and nothing
+        starts if a run, a shutdown or the exit came first."""
         if not getattr(plan, "pool", True):
             return False
         plan.before_placement()  # (here: Ray's connection sets signal handlers, main thread only)
         shape = plan.shape()
         with self.lock:
+            if renewal is not None and self.renewals.pop(shape, None) is not renewal:
+                return False
+            self._cancel_renewals()  # (a backend chosen now comes first; its start retires the rest)
             if shape in self.prestarting or any(p.shape == shape for p in self.pools):
                 return False
             retire = [(p, "another backend was chosen") for p in self.pools if p.state == "idle"]
@@ -278,7 +275,8 @@ class Pools:
 
     def checkin(self, pool: Pool, healthy: bool, reason: str = "") -> None:
         """After a run: a healthy pool that keeps goes idle (its timer starts); any other retires,
-        as does one whose processes have outgrown MEMORY_GROWTH_LIMIT since its first run."""
+        as does one whose processes have outgrown its memory_growth_limit since its first run
+        (renewed: its successor starts when it is left unused, `_renew_when_idle`)."""
         grown = pool.memory_growth() if healthy and pool.keep else ""
         if grown:
             healthy, reason = False, grown
@@ -296,7 +294,25 @@ class Pools:
                 self._make_idle(pool)
         if retire:
             pool.stop()
+            if grown:
+                self._renew_when_idle(pool)
         self.changed()
+
+    def _renew_when_idle(self, pool: Pool) -> None:
+        """A pool renewed for its memory: its successor starts in the background once no run has
+        come for RENEW_AFTER_IDLE (a run that comes sooner starts its own pool)."""
+        timer = threading.Timer(RENEW_AFTER_IDLE, lambda: self.prestart(pool.backend, pool.plan, timer))
+        timer.daemon = True  # never holds the interpreter at exit
+        timer.name = "workbench pool renewal"
+        with self.lock:
+            self._cancel_renewals()
+            self.renewals[pool.shape] = timer
+        timer.start()
+
+    def _cancel_renewals(self, shape=None) -> None:
+        """(Under the lock.) Successors not started yet are not started (of `shape`, or all)."""
+        for key in [k for k in self.renewals if shape is None or k == shape]:
+            self.renewals.pop(key).cancel()
 
     def _make_idle(self, pool: Pool) -> None:
         """(Under the lock.) The pool waits for the next run; its idle timer starts."""
@@ -316,6 +332,8 @@ class Pools:
     def shutdown(self, shape=None, reason: str = "shut down") -> int:
         """Ends the idle pools (of `shape`, or all); a busy one ends when its run does. Returns
         how many pools were stopped or marked."""
+        with self.lock:
+            self._cancel_renewals(shape)
         self.finish_background_starts(shape)  # (a pool still starting is ended too, once it is one)
         with self.lock:
             chosen = [p for p in self.pools if shape is None or p.shape == shape]
@@ -371,6 +389,8 @@ class Pools:
     def stop_all_at_exit(self) -> None:
         """Interpreter exit (launch/exit.py, first stage): every pool, busy or idle, is asked to
         leave and then ended, while Ray (for a Ray placement) is still connected."""
+        with self.lock:
+            self._cancel_renewals()
         self.finish_background_starts(timeout=EXIT_START_WAIT)
         for pool in self.live():
             with contextlib.suppress(Exception):
@@ -392,11 +412,3 @@ live_pools = POOLS.live
 observe = POOLS.observe
 _retire_all = POOLS.retire_all  # (tests/test_pools.py decides a retirement by hand)
 
-
-def process_rss_bytes(pid: int) -> int | None:
-    """Resident memory of `pid`, a process of this machine, in bytes (None: gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, IndexError, ValueError):
-        return None
