@@ -2,13 +2,17 @@
 
 Run: python bench/bench_memory.py [--runs 100] [--backends multi-worker,async-ps]
      python bench/bench_memory.py --cluster ray=local   (the same pools as Ray actors)
+     python bench/bench_memory.py --memory-growth-limit 0.04   (the pools renewed at 4% growth)
 
 Each backend gets one warm replicator (multi-worker x2; async-ps with 2 workers and 1 parameter
 server) that trains a small digits MLP for 20 steps `--runs` times. After runs 10, 25, 50 and the
 last, the RSS of every process of the pool is read (psutil, by the pids the run reports; a Ray
 actor on this machine is a process here too). Printed, per process: RSS after run 10 and after
 the last, and the growth between them (issue 39's goal: within 5%). The anchor is the pool's own
-10th run, so start-up and the first traces are not counted as growth.
+10th run, so start-up and the first traces are not counted as growth. Also printed: the runs
+before which the pool was renewed (its `memory_growth_limit`, the replicators' default unless
+`--memory-growth-limit` is given) and what a renewal costs in this loop (the run that starts the
+new pool, beside the median warm run: back to back, each renewal's next run starts it).
 
 The multi-worker pool gets a second anchor: two processes of TensorFlow alone (a bare
 MultiWorkerMirroredStrategy cluster on loopback) train the same model the same number of runs, a
@@ -17,9 +21,11 @@ pool's, so what TensorFlow itself keeps is told apart from what the workbench ad
 
 The async-ps parameter server also gets a second anchor: a bare ParameterServerStrategy cluster
 (TensorFlow alone, no workbench code: a ps and two worker servers, this bench's child as the
-coordinator) trains the same model the same number of runs, one traced step per run. Printed:
-MiB each parameter server gains per run (between renewals for the pool's) and their ratio, so
-what TensorFlow itself keeps is told apart from what the workbench adds.
+coordinator) trains the same model the same number of runs, a new traced function a run of the
+kind the pool's coordinator schedules (a loop of 10 steps that also counts them on the parameter
+server, twice a run). Printed: MiB each parameter server gains per run (between renewals for the
+pool's) and their ratio, so what TensorFlow itself keeps is told apart from what the workbench
+adds.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import psutil
 
@@ -78,8 +86,10 @@ def rss_by_process(run) -> dict[str, float]:
     return found
 
 
-def measure(wb, backend: str, runs: int, cluster) -> None:
+def measure(wb, backend: str, runs: int, cluster, limit) -> None:
     options = {"num_workers": 2, "cluster": cluster}
+    if limit != "default":
+        options["memory_growth_limit"] = limit
     repl = (
         wb.MultiWorkerReplicator(**options)
         if backend == "multi-worker"
@@ -89,13 +99,16 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
     pids, renewed = None, []
     ps_gains = []  # MiB the parameter server gained over each run after the 10th (same process)
     ps_before = None
+    seconds = {}  # run -> its wall time
     try:
         for n in range(1, runs + 1):
+            started = time.perf_counter()
             run = repl.train(setup=digits_setup, steps=20)
+            seconds[n] = time.perf_counter() - started
             assert run.status == "finished", run.stop_reason
             now = sorted(p["pid"] for p in run.processes)
             if pids not in (None, now):
-                renewed.append(n)  # launch/pool.py MEMORY_GROWTH_LIMIT: new processes
+                renewed.append(n)  # launch/pool.py, memory_growth_limit: new processes
                 ps_before = None
             pids = now
             rss = rss_by_process(run)
@@ -112,7 +125,16 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
     print(
         f"{backend}{where}: RSS (MiB) after runs {', '.join(map(str, marks))}; growth from run 10 to {runs}"
     )
-    print(f"  the pool was renewed (MEMORY_GROWTH_LIMIT) before runs: {renewed or 'none'}")
+    limit_text = f"memory_growth_limit={repl.plan.memory_growth_limit}"
+    print(f"  the pool was renewed ({limit_text}) before runs: {renewed or 'none'}")
+    if renewed:
+        warm = statistics.median(t for n, t in seconds.items() if n > 1 and n not in renewed)
+        cold = statistics.median(seconds[n] for n in renewed)
+        print(
+            f"  a renewal's cost: the run that starts the new pool took {cold:.1f} s (median), "
+            f"a warm run {warm:.1f} s; {len(renewed)} renewals added {len(renewed) * (cold - warm):.0f} s "
+            f"to {sum(seconds.values()):.0f} s"
+        )
     for name in seen[marks[0]]:
         values = [seen[n].get(name, float("nan")) for n in marks]
         growth = 100 * (values[-1] / values[0] - 1)
@@ -130,7 +152,7 @@ def measure(wb, backend: str, runs: int, cluster) -> None:
         bare = bare_tensorflow_ps_gain(runs)
         print(
             f"  parameter server, MiB gained per run after run 10: the pool's {ours:.2f}; "
-            f"a bare ParameterServerStrategy cluster's {bare:.2f} (one traced step a run); "
+            f"a bare ParameterServerStrategy cluster's {bare:.2f} (a traced loop a run, as the pool's); "
             f"ratio {ours / bare:.1f}x"
         )
 
@@ -218,7 +240,9 @@ server.join()
 def bare_ps_child(runs: int) -> None:
     """The anchor: a ps and two worker servers of TensorFlow's own, this process their
     coordinator; the digits model trained `runs` times, 20 steps each, a new model and a new
-    tf.function a run, as a warm pool's runs are. Prints the server's RSS after each run."""
+    tf.function a run, as a warm pool's runs are: a loop of 10 steps that also counts them in a
+    variable on the parameter server, scheduled twice (the pool's coordinator schedules such
+    chunks: backends/async_coordinator.py). Prints the server's RSS after each run."""
 
     from workbench._src.placements.ports import free_ports
 
@@ -254,11 +278,13 @@ def bare_ps_child(runs: int) -> None:
             dataset = coordinator.create_per_worker_dataset(functools.partial(input_fn, None))
             iterator = iter(dataset)
 
-            step = make_step(tf, strategy, step_fn)
-            for _ in range(20):
-                coordinator.schedule(step, args=(iterator,))
+            with strategy.scope():
+                counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+            chunk = make_chunk(tf, strategy, step_fn, counter)
+            for _ in range(2):
+                coordinator.schedule(chunk, args=(iterator, tf.constant(10)))
             coordinator.join()
-            del step, step_fn, input_fn, dataset, iterator
+            del chunk, counter, step_fn, input_fn, dataset, iterator
             keras.backend.clear_session(free_memory=False)
             gc.collect()
             rss.append(ps.memory_info().rss / 2**20)
@@ -279,6 +305,18 @@ def make_step(tf, strategy, step_fn):
     return step
 
 
+def make_chunk(tf, strategy, step_fn, counter):
+    """A new tf.function for this run: `k` steps in a loop, each counted on the parameter server."""
+
+    @tf.function
+    def chunk(iterator, k):
+        for _ in tf.range(k):
+            strategy.run(step_fn, args=next(iterator))
+            counter.assign_add(1)
+
+    return chunk
+
+
 def bare_replicator():
     """digits_setup's `repl` for the bare anchor: TensorFlow's optimizer as it is."""
     return type("Bare", (), {"wrap_optimizer": staticmethod(lambda optimizer: optimizer)})()
@@ -289,6 +327,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--backends", default="multi-worker,async-ps")
     parser.add_argument("--cluster", help="place the pools on Ray: ray, ray=ADDRESS or ray=local")
+    parser.add_argument(
+        "--memory-growth-limit", type=float,
+        help="the replicators' memory_growth_limit (default: theirs; 0 or less: never renewed)",
+    )  # fmt: skip
     parser.add_argument("--bare-ps-child", type=int, help=argparse.SUPPRESS)  # (the anchor's process)
     parser.add_argument("--bare-mw-worker", type=int, help=argparse.SUPPRESS)  # (an anchor's worker)
     args = parser.parse_args()
@@ -306,8 +348,11 @@ def main() -> None:
 
     cluster = wb.RayCluster.from_option(args.cluster) if args.cluster else None
     print(f"load {os.getloadavg()[0]:.1f} at the start")
+    limit = "default" if args.memory_growth_limit is None else args.memory_growth_limit
+    if limit != "default" and limit <= 0:
+        limit = None
     for backend in args.backends.split(","):
-        measure(wb, backend.strip(), args.runs, cluster)
+        measure(wb, backend.strip(), args.runs, cluster, limit)
 
 
 if __name__ == "__main__":
