@@ -275,7 +275,7 @@ class Pools:
 
     def checkin(self, pool: Pool, healthy: bool, reason: str = "") -> None:
         """After a run: a healthy pool that keeps goes idle (its timer starts); any other retires,
-        as does one whose processes have outgrown its memory_growth_limit since its first run
+        as does one whose processes have outgrown its memory_growth_limit since its first runs
         (renewed: its successor starts when it is left unused, `_renew_when_idle`)."""
         grown = pool.memory_growth() if healthy and pool.keep else ""
         if grown:
