@@ -76,7 +76,7 @@ class AsyncPsPlan(LaunchPlan):
     # A worker of a cluster this process did not start (a real cluster, a placed pool) that has not
     # answered for this long is lost, and the run goes on without it (backends/worker_watch.py).
     worker_timeout: float | None = DEFAULT_WORKER_TIMEOUT
-    memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT  # (launch/pool.py)
+    memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT  # (launch/memory.py)
 
     def __post_init__(self):
         check_positive_int("num_workers", self.num_workers)
@@ -170,7 +170,7 @@ class MultiWorkerAsyncReplicator(ProcessBackend):
       pool: keep the coordinator and its servers warm between runs of the same shape (False:
         start and stop them for every run).
       memory_growth_limit: how much a process of a warm pool may grow over its size after the
-        pool's first run before the pool is renewed (TensorFlow keeps some state of every run's
+        pool's first runs before the pool is renewed (TensorFlow keeps some state of every run's
         traced step for a process's life); the new one starts in the background once the pool is
         left unused. 0.05: within 5% at a renewal every few runs. None: never renewed for memory.
 

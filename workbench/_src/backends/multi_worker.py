@@ -50,7 +50,7 @@ class MultiWorkerPlan(LaunchPlan):
     pool: bool = True  # False: fresh processes for every run, stopped at its end (the old path)
     cluster: object | None = None  # the `cluster=` value naming where the pool is placed (None: here)
     min_workers: int | None = None  # elastic: a heal may go on with this many workers (launch/elastic.py)
-    memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT  # (launch/pool.py)
+    memory_growth_limit: float | None = MEMORY_GROWTH_LIMIT  # (launch/memory.py)
 
     # min_workers says how far a run may shrink, not which processes run (a pool of 1 worker is
     # the same whatever the run's floor).
@@ -132,7 +132,7 @@ class MultiWorkerReplicator(ProcessBackend):
       pool: keep the local workers warm between runs of the same shape (False: start and stop
         them for every run).
       memory_growth_limit: how much a process of a warm pool may grow over its size after the
-        pool's first run before the pool is renewed (TensorFlow keeps some state of every run's
+        pool's first runs before the pool is renewed (TensorFlow keeps some state of every run's
         traced step for a process's life); the new one starts in the background once the pool is
         left unused. 0.05: within 5% at a renewal every few runs. None: never renewed for memory.
       min_workers: elastic worker counts (with `train(max_restarts=N)`): when the cluster has no

@@ -93,12 +93,12 @@ class LaunchPlan:
 
 def check_memory_growth_limit(limit) -> None:
     """A ConfigurationError unless `limit` is a fraction > 0 (the growth a warm process may reach
-    over its first run's size before its pool is renewed: launch/pool.py) or None."""
+    over its first runs' size before its pool is renewed: launch/memory.py) or None."""
     if limit is None or (isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0):
         return
     raise ConfigurationError(
         f"memory_growth_limit is how much a warm pool's process may grow over its size after the pool's "
-        f"first run before the pool is renewed, as a fraction; received memory_growth_limit={limit!r}. "
+        f"first runs before the pool is renewed, as a fraction; received memory_growth_limit={limit!r}. "
         "Fix: memory_growth_limit=0.05 (5%: a renewal every few runs on a parameter server), the "
         "default 0.25, or None to never renew a pool for its memory."
     )

@@ -46,8 +46,10 @@ class MemoryGrowth:
             self.baseline = {pid: min(rss, self.baseline.get(pid, rss)) for pid, rss in now.items()}
         for process in here:
             pid = process["pid"]
-            before, after = self.baseline.get(pid), min(now.get(pid, 0), last.get(pid, now.get(pid, 0)))
-            if before and after and after > before * (1 + limit):
+            if pid not in now:  # (gone)
+                continue
+            before, after = self.baseline.get(pid), min(now[pid], last.get(pid, now[pid]))
+            if before and after > before * (1 + limit):
                 return (
                     f"{process['role']} {process['index']} grew from {before / 2**20:.0f} to "
                     f"{after / 2**20:.0f} MiB over {runs} runs, past memory_growth_limit={limit:g}: "
